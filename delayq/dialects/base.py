@@ -1,0 +1,252 @@
+"""The dialect contract: everything delayq must know about a backend, in one small class.
+
+``Dialect`` holds the SQL every backend shares (SQLAlchemy Core constructs, built once per
+table set and clock mode). A backend module overrides only what differs in *shape*: the
+database clock, the insert that skips duplicates, the claim, the start of a library-owned
+transaction, and how to read its driver's error codes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from delayq.schema import Tables
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRow:
+    """A message row as a claim returns it."""
+
+    id: int
+    key: str
+    payload: bytes
+    payload_type: str
+    due_at: int
+    locked_until: int
+    attempts: int
+    created_at: int
+    scheduled_at_initially: int
+
+
+def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
+    return sa.bindparam(name, type_=type_)
+
+
+class Statements:
+    """The shared statements over one table set, with "now" as given.
+
+    ``now`` is the database's clock expression, or the bind parameter ``:now`` when the queue
+    runs on an injected clock. Every other value is a named bind parameter.
+    """
+
+    def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int]) -> None:
+        m, dead = tables.messages, tables.dead_letters
+        self.tables = tables
+        self.now = now
+        queue, key = _bp("queue_name", sa.String), _bp("msg_key", sa.String)
+        by_key = sa.and_(m.c.queue == queue, m.c.key == key)
+        held = sa.and_(m.c.id == _bp("msg_id"), m.c.lock_token == _bp("token", sa.String))
+        # A due time is absolute (:due_at) or relative to now (:due_in); the other is NULL.
+        due = sa.func.coalesce(_bp("due_at"), now + _bp("due_in"))
+
+        self.now_select = sa.select(now.label("now"))
+        self.insert = dialect.insert_skipping_duplicates(m).values(
+            queue=queue,
+            key=key,
+            payload=_bp("payload", sa.LargeBinary),
+            payload_type=_bp("payload_type", sa.String),
+            scheduled_at=due,
+            scheduled_at_initially=due,
+            created_at=now,
+            attempts=0,
+        )
+        self.insert_rows = dialect.insert_skipping_duplicates(m)
+        self.existing_keys = sa.select(m.c.key).where(
+            m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True))
+        )
+        self.lock_for_update = (
+            sa.select(m.c.id, m.c.payload, m.c.payload_type, m.c.scheduled_at_initially, m.c.created_at,
+                      now.label("now"))
+            .where(by_key)
+            .with_for_update()
+        )
+        self.replace = (
+            sa.update(m)
+            .where(
+                m.c.id == _bp("msg_id"),
+                m.c.scheduled_at_initially == _bp("old_scheduled_at_initially"),
+                m.c.created_at == _bp("old_created_at"),
+            )
+            .values(
+                payload=_bp("payload", sa.LargeBinary),
+                payload_type=_bp("payload_type", sa.String),
+                scheduled_at=_bp("new_scheduled_at"),
+                scheduled_at_initially=_bp("new_scheduled_at"),
+                created_at=_bp("new_created_at"),
+                lock_token=None,
+                attempts=0,
+                last_error=None,
+            )
+        )
+        self.claim_candidates = (
+            sa.select(m.c.id, m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at,
+                      m.c.attempts, m.c.created_at, m.c.scheduled_at_initially, now.label("now"))
+            .where(m.c.queue == queue, m.c.scheduled_at <= now)
+            .order_by(m.c.scheduled_at, m.c.id)
+            .limit(_bp("limit", sa.Integer))
+            .with_for_update(skip_locked=True)
+        )
+        self.mark_claimed = (
+            sa.update(m)
+            .where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
+            .values(lock_token=_bp("token", sa.String), scheduled_at=_bp("locked_until"),
+                    attempts=m.c.attempts + 1)
+        )
+        self.ack = sa.delete(m).where(
+            m.c.lock_token == _bp("token", sa.String), m.c.id.in_(sa.bindparam("ids", expanding=True))
+        )
+        self.retry = (
+            sa.update(m)
+            .where(held)
+            .values(scheduled_at=now + _bp("delay"), lock_token=None, last_error=_bp("error", sa.Text))
+        )
+        self.extend = sa.update(m).where(held).values(scheduled_at=now + _bp("by"))
+        self.select_held = (
+            sa.select(m.c.queue, m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at_initially,
+                      m.c.created_at, m.c.attempts, now.label("now"))
+            .where(held)
+            .with_for_update()
+        )
+        self.insert_dead = sa.insert(dead)
+        self.delete_held = sa.delete(m).where(held)
+        self.get = sa.select(
+            m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at, m.c.scheduled_at_initially,
+            m.c.created_at, m.c.attempts, m.c.last_error, m.c.lock_token,
+        ).where(by_key)
+        self.cancel = sa.delete(m).where(by_key)
+        self.reschedule = (
+            sa.update(m)
+            .where(by_key)
+            .values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
+        )
+        due_now = m.c.scheduled_at <= now
+        locked = m.c.lock_token.is_not(None)
+
+        def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+            return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
+
+        dead_count = (
+            sa.select(sa.func.count()).select_from(dead).where(dead.c.queue == queue).scalar_subquery()
+        )
+        self.stats = sa.select(
+            count(sa.and_(due_now, ~locked)).label("ready"),
+            count(sa.and_(~due_now, ~locked)).label("scheduled"),
+            count(sa.and_(~due_now, locked)).label("in_flight"),
+            count(sa.and_(due_now, locked)).label("expired_locks"),
+            dead_count.label("dead"),
+            sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
+            now.label("now"),
+        ).where(m.c.queue == queue)
+        dead_cols = (dead.c.id, dead.c.key, dead.c.payload, dead.c.payload_type, dead.c.scheduled_at_initially,
+                     dead.c.created_at, dead.c.attempts, dead.c.last_error, dead.c.failed_at)
+        self.dead_letters = (
+            sa.select(*dead_cols)
+            .where(dead.c.queue == queue, dead.c.id > _bp("after_id"))
+            .order_by(dead.c.id)
+            .limit(_bp("limit", sa.Integer))
+        )
+
+
+class Dialect:
+    """A backend as delayq sees it. Subclasses override what differs; see each override's note."""
+
+    name: ClassVar[str] = "base"
+    #: Whether a multi-row insert that skips duplicates can report which rows it created.
+    insert_returns_created: ClassVar[bool] = True
+
+    def __init__(self, sa_dialect: sa.Dialect) -> None:
+        self.sa_dialect = sa_dialect
+        self._verified = False
+
+    # -- capabilities ---------------------------------------------------------------------------
+    def verify(self, conn: Connection) -> None:
+        """Check the server once per engine (``check_server``) before its first use."""
+        if not self._verified:
+            self.check_server(conn)
+            self._verified = True
+
+    def check_server(self, conn: Connection) -> None:
+        """Refuse a server that lacks what delayq relies on."""
+
+    # -- time -----------------------------------------------------------------------------------
+    def now_ms(self) -> sa.ColumnElement[int]:
+        """The database's current time as epoch milliseconds, constant within one statement."""
+        raise NotImplementedError
+
+    @functools.cache  # noqa: B019 - one dialect object per engine, kept for the engine's life
+    def statements(self, tables: Tables, manual_clock: bool) -> Statements:
+        """The shared statements, built once per table set and clock mode."""
+        now = _bp("now") if manual_clock else self.now_ms()
+        return Statements(self, tables, now)
+
+    # -- transactions ---------------------------------------------------------------------------
+    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
+        """Start a library-owned write transaction on a fresh connection."""
+        conn.begin()
+
+    def is_transient(self, exc: DBAPIError) -> bool:
+        """True for errors that a retry of the whole transaction can overcome."""
+        return bool(exc.connection_invalidated)
+
+    def is_missing_table(self, exc: DBAPIError) -> bool:
+        raise NotImplementedError
+
+    def is_duplicate_key(self, exc: DBAPIError) -> bool:
+        raise NotImplementedError
+
+    # -- offers ---------------------------------------------------------------------------------
+    def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
+        """An INSERT that skips rows whose (queue, key) exists (ON CONFLICT DO NOTHING)."""
+        raise NotImplementedError
+
+    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
+        """Insert one message; True when created, False when its key existed."""
+        return conn.execute(stmts.insert, params).rowcount == 1
+
+    def insert_many_if_absent(
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+    ) -> set[str]:
+        """Insert rows whose keys are absent; return the keys created, in one round trip."""
+        m = stmts.tables.messages
+        result = conn.execute(stmts.insert_rows.returning(m.c.key), list(rows))
+        return {key for (key,) in result}
+
+    # -- consumers ------------------------------------------------------------------------------
+    def claim(
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+    ) -> list[ClaimedRow]:
+        """Lock up to ``params['limit']`` due messages for this consumer.
+
+        The shared shape: SELECT the due rows FOR UPDATE SKIP LOCKED (with "now"), then one
+        UPDATE by id, in the same transaction.
+        """
+        rows = conn.execute(stmts.claim_candidates, params).all()
+        if not rows:
+            return []
+        locked_until = rows[0].now + visibility_ms
+        conn.execute(
+            stmts.mark_claimed,
+            {"ids": [r.id for r in rows], "token": params["token"], "locked_until": locked_until},
+        )
+        return [
+            ClaimedRow(r.id, r.key, r.payload, r.payload_type, r.scheduled_at, locked_until,
+                       r.attempts + 1, r.created_at, r.scheduled_at_initially)
+            for r in rows
+        ]

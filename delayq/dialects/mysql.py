@@ -1,0 +1,115 @@
+"""MySQL 8 / MariaDB 10.6+ (mysqlclient): no UPDATE ... RETURNING, no LIMIT inside IN (subquery).
+
+So the claim is the shared two-statement shape (SELECT ... FOR UPDATE SKIP LOCKED, then
+UPDATE by id) in a READ COMMITTED transaction, where InnoDB takes no gap locks that would
+deadlock consumers against producers. Duplicates are caught by error code: ``INSERT IGNORE``
+would turn every error into a warning, not only the duplicate key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from delayq.dialects.base import Dialect, Statements
+from delayq.errors import UnsupportedDatabaseError
+
+# lock wait timeout, deadlock, server gone away, lost connection, can't connect,
+# MariaDB "connection was killed", MySQL "client disconnected by server".
+_TRANSIENT = {1205, 1213, 2006, 2013, 2003, 1927, 4031}
+_MISSING_TABLE = 1146
+_DUPLICATE_KEY = 1062
+_MYSQL_MIN = (8, 0, 1)
+_MARIADB_MIN = (10, 6)
+
+
+def _code(exc: DBAPIError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def check_version(version: tuple[int, ...], mariadb: bool) -> None:
+    """Raise ``UnsupportedDatabaseError`` for a server without SKIP LOCKED."""
+    minimum, product = (_MARIADB_MIN, "MariaDB") if mariadb else (_MYSQL_MIN, "MySQL")
+    if tuple(version[: len(minimum)]) < minimum:
+        shown = ".".join(map(str, version))
+        needed = ".".join(map(str, minimum))
+        raise UnsupportedDatabaseError(
+            f"{product} {shown} has no SELECT ... FOR UPDATE SKIP LOCKED; delayq needs {product} {needed} or newer"
+        )
+
+
+class MySQLDialect(Dialect):
+    name: ClassVar[str] = "mysql"
+    insert_returns_created: ClassVar[bool] = False
+
+    def check_server(self, conn: Connection) -> None:
+        info = conn.dialect.server_version_info or ()
+        check_version(tuple(int(v) for v in info if isinstance(v, int)),
+                      bool(getattr(conn.dialect, "is_mariadb", False)))
+
+    def now_ms(self) -> sa.ColumnElement[int]:
+        # UTC_TIMESTAMP is fixed for the statement and free of the session's time zone.
+        return sa.literal_column(
+            "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)", sa.BigInteger
+        )
+
+    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
+        # Applies to the next transaction only: the caller's engine keeps its own level. A
+        # single statement by primary or unique key takes no gap locks: skip the round trip.
+        if several_statements:
+            conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+    def is_transient(self, exc: DBAPIError) -> bool:
+        return super().is_transient(exc) or _code(exc) in _TRANSIENT
+
+    def is_missing_table(self, exc: DBAPIError) -> bool:
+        return _code(exc) == _MISSING_TABLE
+
+    def is_duplicate_key(self, exc: DBAPIError) -> bool:
+        return _code(exc) == _DUPLICATE_KEY
+
+    def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
+        return sa.insert(table)
+
+    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
+        # InnoDB rolls back just the failed statement; the transaction goes on.
+        try:
+            conn.execute(stmts.insert, params)
+        except IntegrityError as exc:
+            if self.is_duplicate_key(exc):
+                return False
+            raise
+        return True
+
+    def insert_many_if_absent(
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+    ) -> set[str]:
+        # Find the existing keys first, insert the rest in one multi-row statement; a producer
+        # that raced in between makes it fall back to one row at a time (seed 001's offerBatch).
+        existing = set(conn.execute(stmts.existing_keys, {"queue_name": queue, "keys": [r["key"] for r in rows]})
+                       .scalars())
+        fresh = [r for r in rows if r["key"] not in existing]
+        if not fresh:
+            return set()
+        try:
+            with conn.begin_nested():
+                conn.execute(stmts.insert_rows, fresh)
+            return {r["key"] for r in fresh}
+        except IntegrityError as exc:
+            if not self.is_duplicate_key(exc):
+                raise
+        created = set()
+        for row in fresh:
+            try:
+                with conn.begin_nested():
+                    conn.execute(stmts.insert_rows, row)
+                created.add(row["key"])
+            except IntegrityError as exc:
+                if not self.is_duplicate_key(exc):
+                    raise
+        return created

@@ -1,0 +1,48 @@
+"""SQLite, the embedded default: one writer at a time, so the claim needs no SKIP LOCKED.
+
+Every library-owned write transaction starts with ``BEGIN IMMEDIATE``: a deferred transaction
+that reads and then writes fails with "database is locked" at once, whatever the busy timeout.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from delayq.dialects.base import Dialect
+
+_BUSY, _LOCKED = 5, 6
+_CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY = 2067, 1555
+_UNIX_EPOCH_JULIAN_DAY = 2440587.5
+
+
+def _errorcode(exc: DBAPIError) -> int:
+    return int(getattr(exc.orig, "sqlite_errorcode", 0) or 0)
+
+
+class SQLiteDialect(Dialect):
+    name: ClassVar[str] = "sqlite"
+
+    def now_ms(self) -> sa.ColumnElement[int]:
+        # julianday('now') is fixed for one statement and has millisecond precision.
+        days = sa.func.julianday("now") - _UNIX_EPOCH_JULIAN_DAY
+        return sa.cast(sa.func.round(days * 86_400_000.0), sa.BigInteger)
+
+    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def is_transient(self, exc: DBAPIError) -> bool:
+        return super().is_transient(exc) or _errorcode(exc) & 0xFF in (_BUSY, _LOCKED)
+
+    def is_missing_table(self, exc: DBAPIError) -> bool:
+        return "no such table" in str(exc.orig)
+
+    def is_duplicate_key(self, exc: DBAPIError) -> bool:
+        return _errorcode(exc) in (_CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY)
+
+    def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
+        return sqlite_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])

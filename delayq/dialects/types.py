@@ -1,0 +1,28 @@
+"""Column types whose storage differs per backend, declared once for the schema and the migrations."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+# SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid), which is 64-bit anyway.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+# MySQL's BLOB holds 64 KiB; LONGBLOB is what BYTEA and SQLite's BLOB hold.
+Payload = sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+
+def name_type(length: int) -> sa.types.TypeEngine[str]:
+    """VARCHAR compared byte for byte: MySQL's default collations fold case ('A' = 'a')."""
+    return sa.String(length).with_variant(
+        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
+TABLE_OPTIONS: dict[str, object] = {
+    "mysql_engine": "InnoDB",
+    "mysql_charset": "utf8mb4",
+    # PostgreSQL inserts would otherwise carry RETURNING id, and ON CONFLICT DO NOTHING's
+    # rowcount (1 created / 0 skipped) is what the single offer reads.
+    "implicit_returning": False,
+}

@@ -1,0 +1,121 @@
+"""The values delayq hands back: offer outcomes, messages, deliveries, statistics."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from delayq.queue import DelayedQueue, Using
+
+
+class OfferOutcome(enum.Enum):
+    """What an offer did: created a message, replaced one, or left an existing one alone."""
+
+    CREATED = "created"
+    UPDATED = "updated"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message as stored, read with ``DelayedQueue.get``."""
+
+    key: str
+    payload: Any
+    scheduled_at: dt.datetime
+    """When it is next due; while a consumer holds it, when that lock expires."""
+    scheduled_at_initially: dt.datetime
+    """The due time the producer asked for."""
+    created_at: dt.datetime
+    """When it was offered, or last replaced by ``offer(update=True)``."""
+    attempts: int
+    """Deliveries so far."""
+    last_error: str | None
+    locked: bool
+    """Whether a consumer's lock is set on it (the lock may have expired)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadMessage:
+    """A message that exhausted its attempts or was dead-lettered by its consumer."""
+
+    id: int
+    key: str
+    payload: Any
+    scheduled_at_initially: dt.datetime
+    created_at: dt.datetime
+    attempts: int
+    last_error: str | None
+    failed_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """Counts of one queue's messages by state, read in one statement."""
+
+    ready: int
+    """Due and not held by a consumer."""
+    scheduled: int
+    """Not yet due."""
+    in_flight: int
+    """Held by a consumer whose lock has not expired."""
+    expired_locks: int
+    """Held by a consumer whose lock expired: due for redelivery."""
+    dead: int
+    """In the dead-letter table."""
+    oldest_due_age: dt.timedelta | None
+    """How long the oldest due message (ready or with an expired lock) has waited; None when none."""
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """A message a consumer holds under a lock until it acks, retries, or the lock expires.
+
+    Every method is a compare-and-swap on the lock token: once the lock has expired and
+    another consumer took the message, or a producer replaced it, they change nothing and
+    return False.
+    """
+
+    id: int
+    key: str
+    payload: Any
+    attempts: int
+    """Deliveries so far, this one included."""
+    scheduled_at: dt.datetime
+    """When the message was due for this delivery."""
+    scheduled_at_initially: dt.datetime
+    created_at: dt.datetime
+    locked_until: dt.datetime
+    """When the lock expires unless extended."""
+    lock_token: str
+    _queue: DelayedQueue = field(repr=False)
+
+    @property
+    def redelivered(self) -> bool:
+        """True when an earlier delivery of this message was not acked."""
+        return self.attempts > 1
+
+    @property
+    def queue(self) -> str:
+        return self._queue.name
+
+    def ack(self, *, using: Using = None) -> bool:
+        """Delete the message; True when this delivery still held the lock."""
+        return self._queue.ack_many([self], using=using) == 1
+
+    def retry(
+        self, delay: dt.timedelta = dt.timedelta(0), error: str | None = None, *, using: Using = None
+    ) -> bool:
+        """Release the message for another attempt after ``delay``, recording ``error``."""
+        return self._queue._retry(self, delay, error, using)
+
+    def extend(self, by: dt.timedelta, *, using: Using = None) -> bool:
+        """Push the lock's expiry to ``by`` from now (a heartbeat for long work)."""
+        return self._queue._extend(self, by, using)
+
+    def dead_letter(self, error: str | None = None, *, using: Using = None) -> bool:
+        """Move the message to the dead letters, recording ``error``."""
+        return self._queue._dead_letter(self, error, using)

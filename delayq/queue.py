@@ -1,0 +1,375 @@
+"""DelayedQueue: offer messages due at a time, poll the due ones under a lock, ack them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+
+from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
+from delayq.dialects import ClaimedRow, Dialect, Statements
+from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
+from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
+from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
+from delayq.serializers import JsonSerializer, Serializer, encode
+from delayq.transactions import Runner, TransientRetry, Using
+
+__all__ = ["At", "DelayedQueue", "Using"]
+
+At = dt.datetime | dt.timedelta | None
+"""A due time: an aware datetime, a timedelta from now, or None for now."""
+
+OFFER_CHUNK = 500
+"""Rows per multi-row INSERT in ``offer_many``."""
+
+
+class DelayedQueue:
+    """One named queue of delayed messages in a relational database.
+
+    Args:
+        engine: the SQLAlchemy engine of the database holding delayq's tables.
+        name: the queue's name (at most 100 characters); queues share the tables.
+        visibility_timeout: how long a polled message stays locked before it is delivered
+            again. Defaults to 5 minutes.
+        serializer: encodes payloads; defaults to ``JsonSerializer()``.
+        clock: where "now" comes from; defaults to the database's clock, read inside each
+            statement. Pass a ``ManualClock`` to move time by hand.
+        table_prefix, schema: where the tables are; default ``delayq_messages`` and
+            ``delayq_dead_letters`` in the connection's default schema.
+        transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
+
+    Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
+    transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        *,
+        visibility_timeout: dt.timedelta = dt.timedelta(minutes=5),
+        serializer: Serializer | None = None,
+        clock: Clock | None = None,
+        table_prefix: str = DEFAULT_PREFIX,
+        schema: str | None = None,
+        transient_retry: TransientRetry = TransientRetry(),
+    ) -> None:
+        self.name = check_queue_name(name)
+        self.engine = engine
+        self.visibility_timeout = visibility_timeout
+        self._visibility_ms = duration_ms(visibility_timeout, "visibility_timeout")
+        if self._visibility_ms <= 0:
+            raise InvalidInputError("visibility_timeout must be positive")
+        self.serializer: Serializer = serializer or JsonSerializer()
+        self.clock = clock
+        self.tables = make_tables(table_prefix, schema)
+        self._runner = Runner(engine, self.tables, transient_retry)
+
+    def __repr__(self) -> str:
+        return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
+
+    # -- producers ------------------------------------------------------------------------------
+    def offer(self, key: str, payload: Any, at: At = None, *, update: bool = False,
+              using: Using = None) -> OfferOutcome:
+        """Store a message due at ``at`` unless one with this key exists in the queue.
+
+        With ``update=True`` an existing message is replaced (payload and due time; its
+        attempts and error are reset, and a consumer's lock on it is cleared, so that
+        consumer's ack deletes nothing). Replacing with identical content is ``IGNORED``;
+        a relative ``at`` is measured from now, so it differs on every call.
+        """
+        params = self._offer_params(key, payload, at)
+
+        def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
+            return self._offer_one(conn, dialect, self._statements(dialect), params, update)
+
+        return self._runner.run(using, op, "statement" if not update else "transaction")
+
+    def offer_many(self, items: Iterable[tuple[str, Any, At]], *, update: bool = False,
+                   using: Using = None) -> list[OfferOutcome]:
+        """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
+
+        All items are validated first: a bad one raises before anything is written. A key
+        that repeats within the batch is offered again after the first (so it is ``IGNORED``,
+        or ``UPDATED`` with ``update=True``).
+        """
+        prepared = [self._offer_params(key, payload, at) for key, payload, at in items]
+        if not prepared:
+            return []
+
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self._statements(dialect)
+            now = self._now_ms(conn, stmts)
+            outcomes: list[OfferOutcome | None] = [None] * len(prepared)
+            first: dict[str, int] = {}
+            for i, p in enumerate(prepared):
+                first.setdefault(p["msg_key"], i)
+            firsts = list(first.values())
+            for start in range(0, len(firsts), OFFER_CHUNK):
+                chunk = firsts[start:start + OFFER_CHUNK]
+                rows = [_row(prepared[i], now) for i in chunk]
+                created = dialect.insert_many_if_absent(conn, stmts, self.name, rows)
+                for i in chunk:
+                    if prepared[i]["msg_key"] in created:
+                        outcomes[i] = OfferOutcome.CREATED
+            for i, p in enumerate(prepared):
+                if outcomes[i] is None:
+                    outcomes[i] = (self._offer_one(conn, dialect, stmts, p, update=True) if update
+                                   else OfferOutcome.IGNORED)
+            return [o for o in outcomes if o is not None]
+
+        return self._runner.run(using, op, "transaction")
+
+    # -- consumers ------------------------------------------------------------------------------
+    def try_poll(self, *, using: Using = None) -> Delivery | None:
+        """Lock the next due message for this consumer, or return None when none is due."""
+        found = self.try_poll_many(1, using=using)
+        return found[0] if found else None
+
+    def try_poll_many(self, limit: int, *, using: Using = None) -> list[Delivery]:
+        """Lock up to ``limit`` due messages, oldest due first; an empty list when none is due.
+
+        Each delivery's lock expires after the visibility timeout; ``attempts`` counts it.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
+        token = str(uuid.uuid4())
+
+        def op(conn: Connection, dialect: Dialect) -> list[Delivery]:
+            params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
+            rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
+            # Decoded inside the transaction: a row this queue cannot read rolls the claim back.
+            return [self._delivery(row, token) for row in rows]
+
+        return self._runner.run(using, op, "transaction")
+
+    def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
+        """Delete delivered messages whose locks these deliveries still hold; returns how many."""
+        by_token: dict[str, list[int]] = {}
+        for d in deliveries:
+            if d.queue != self.name:
+                raise InvalidInputError(f"delivery of {d.key!r} belongs to queue {d.queue!r}, not {self.name!r}")
+            by_token.setdefault(d.lock_token, []).append(d.id)
+        if not by_token:
+            return 0
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            stmt = self._statements(dialect).ack
+            return sum(conn.execute(stmt, {"token": t, "ids": ids}).rowcount for t, ids in by_token.items())
+
+        return self._runner.run(using, op, "statement" if len(by_token) == 1 else "transaction")
+
+    def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
+        params = {"msg_id": d.id, "token": d.lock_token, "delay": duration_ms(delay, "delay"),
+                  "error": error, **self._now_param()}
+        return self._held_update(lambda s: s.retry, params, using)
+
+    def _extend(self, d: Delivery, by: dt.timedelta, using: Using) -> bool:
+        by_ms = duration_ms(by, "by")
+        if by_ms <= 0:
+            raise InvalidInputError("extend(by=...) must be positive")
+        params = {"msg_id": d.id, "token": d.lock_token, "by": by_ms, **self._now_param()}
+        return self._held_update(lambda s: s.extend, params, using)
+
+    def _held_update(self, pick: Any, params: dict[str, Any], using: Using) -> bool:
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            return bool(conn.execute(pick(self._statements(dialect)), params).rowcount == 1)
+
+        return self._runner.run(using, op, "statement")
+
+    def _dead_letter(self, d: Delivery, error: str | None, using: Using) -> bool:
+        held = {"msg_id": d.id, "token": d.lock_token, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            stmts = self._statements(dialect)
+            row = conn.execute(stmts.select_held, held).first()
+            if row is None:
+                return False
+            conn.execute(stmts.insert_dead, {
+                "queue": row.queue, "key": row.key, "payload": row.payload, "payload_type": row.payload_type,
+                "scheduled_at_initially": row.scheduled_at_initially, "created_at": row.created_at,
+                "attempts": row.attempts, "last_error": error, "failed_at": row.now,
+            })
+            conn.execute(stmts.delete_held, held)
+            return True
+
+        return self._runner.run(using, op, "transaction")
+
+    # -- operations on queued messages ---------------------------------------------------------
+    def get(self, key: str, *, using: Using = None) -> Message | None:
+        """The message stored under ``key``, or None."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> Message | None:
+            row = conn.execute(self._statements(dialect).get, params).first()
+            if row is None:
+                return None
+            return Message(
+                key=row.key, payload=self._decode(row.key, row.payload_type, row.payload),
+                scheduled_at=from_ms(row.scheduled_at),
+                scheduled_at_initially=from_ms(row.scheduled_at_initially),
+                created_at=from_ms(row.created_at), attempts=row.attempts, last_error=row.last_error,
+                locked=row.lock_token is not None,
+            )
+
+        return self._runner.run(using, op, "read")
+
+    def cancel(self, key: str, *, using: Using = None) -> bool:
+        """Delete the message stored under ``key``; True when there was one."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
+
+        return self._runner.run(using, op, "statement")
+
+    def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
+        """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).
+
+        True when there was such a message.
+        """
+        due_at, due_in = _due(at)
+        params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": due_at, "due_in": due_in,
+                  **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
+
+        return self._runner.run(using, op, "statement")
+
+    def stats(self, *, using: Using = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one."""
+        params = {"queue_name": self.name, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> QueueStats:
+            r = conn.execute(self._statements(dialect).stats, params).one()
+            age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
+            return QueueStats(ready=int(r.ready), scheduled=int(r.scheduled), in_flight=int(r.in_flight),
+                              expired_locks=int(r.expired_locks), dead=int(r.dead), oldest_due_age=age)
+
+        return self._runner.run(using, op, "read")
+
+    def dead_letters(self, *, limit: int = 100, after_id: int = 0, using: Using = None) -> list[DeadMessage]:
+        """This queue's dead letters, oldest first; page with ``after_id`` (the last ``id`` seen)."""
+        params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
+
+        def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
+            rows = conn.execute(self._statements(dialect).dead_letters, params).all()
+            return [
+                DeadMessage(
+                    id=r.id, key=r.key, payload=self._decode(r.key, r.payload_type, r.payload),
+                    scheduled_at_initially=from_ms(r.scheduled_at_initially), created_at=from_ms(r.created_at),
+                    attempts=r.attempts, last_error=r.last_error, failed_at=from_ms(r.failed_at),
+                )
+                for r in rows
+            ]
+
+        return self._runner.run(using, op, "read")
+
+    # -- internals ------------------------------------------------------------------------------
+    def _statements(self, dialect: Dialect) -> Statements:
+        return dialect.statements(self.tables, self.clock is not None)
+
+    def _now_param(self) -> dict[str, int]:
+        return {} if self.clock is None else {"now": to_ms(self.clock.now())}
+
+    def _now_ms(self, conn: Connection, stmts: Statements) -> int:
+        if self.clock is not None:
+            return to_ms(self.clock.now())
+        return int(conn.execute(stmts.now_select).scalar_one())
+
+    def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
+        due_at, due_in = _due(at)
+        return {
+            "queue_name": self.name, "msg_key": check_key(key), "payload": encode(self.serializer, payload),
+            "payload_type": self.serializer.type_tag, "due_at": due_at, "due_in": due_in, **self._now_param(),
+        }
+
+    def _offer_one(self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any],
+                   update: bool) -> OfferOutcome:
+        while True:
+            if dialect.insert_if_absent(conn, stmts, params):
+                return OfferOutcome.CREATED
+            if not update:
+                return OfferOutcome.IGNORED
+            row = conn.execute(stmts.lock_for_update, params).first()
+            if row is None:
+                continue  # a consumer acked it since the insert: offer it afresh
+            due = params["due_at"] if params["due_at"] is not None else row.now + params["due_in"]
+            if (bytes(row.payload) == params["payload"] and row.payload_type == params["payload_type"]
+                    and row.scheduled_at_initially == due):
+                return OfferOutcome.IGNORED
+            swapped = conn.execute(stmts.replace, {
+                "msg_id": row.id, "old_scheduled_at_initially": row.scheduled_at_initially,
+                "old_created_at": row.created_at, "payload": params["payload"],
+                "payload_type": params["payload_type"], "new_scheduled_at": due, "new_created_at": row.now,
+            }).rowcount
+            if swapped == 1:
+                return OfferOutcome.UPDATED
+
+    def _delivery(self, row: ClaimedRow, token: str) -> Delivery:
+        return Delivery(
+            id=row.id, key=row.key, payload=self._decode(row.key, row.payload_type, row.payload),
+            attempts=row.attempts, scheduled_at=from_ms(row.due_at),
+            scheduled_at_initially=from_ms(row.scheduled_at_initially), created_at=from_ms(row.created_at),
+            locked_until=from_ms(row.locked_until), lock_token=token, _queue=self,
+        )
+
+    def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
+        tag = self.serializer.type_tag
+        if payload_type != tag:
+            raise SerializationMismatchError(
+                f"message {key!r} in queue {self.name!r} was written as {payload_type!r} but this queue "
+                f"reads {tag!r}: use the serializer that wrote it, or cancel the message"
+            )
+        try:
+            return self.serializer.loads(bytes(payload))
+        except (TypeError, ValueError) as exc:
+            raise SerializationMismatchError(
+                f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {exc}"
+            ) from exc
+
+
+def _row(params: dict[str, Any], now: int) -> dict[str, Any]:
+    due = params["due_at"] if params["due_at"] is not None else now + params["due_in"]
+    return {
+        "queue": params["queue_name"], "key": params["msg_key"], "payload": params["payload"],
+        "payload_type": params["payload_type"], "scheduled_at": due, "scheduled_at_initially": due,
+        "created_at": now, "attempts": 0,
+    }
+
+
+def _due(at: At) -> tuple[int | None, int | None]:
+    """(absolute epoch ms, None) for a datetime; (None, ms from now) for a timedelta or None."""
+    if at is None:
+        return None, 0
+    if isinstance(at, dt.timedelta):
+        return None, duration_ms(at, "at")
+    return to_ms(require_aware(at, "at")), None
+
+
+def check_key(key: object) -> str:
+    """Return a valid message key or raise ``InvalidKeyError``."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("key must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"key is {len(key)} characters long; at most {MAX_KEY_LENGTH} fit: {key[:40]!r}...")
+    return key
+
+
+def check_queue_name(name: object) -> str:
+    """Return a valid queue name or raise ``InvalidQueueError``."""
+    if not isinstance(name, str):
+        raise InvalidQueueError(f"queue name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidQueueError("queue name must not be empty")
+    if len(name) > MAX_QUEUE_LENGTH:
+        raise InvalidQueueError(
+            f"queue name is {len(name)} characters long; at most {MAX_QUEUE_LENGTH} fit: {name[:40]!r}..."
+        )
+    return name

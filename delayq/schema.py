@@ -1,0 +1,77 @@
+"""delayq's tables as SQLAlchemy metadata.
+
+``make_tables(prefix, schema)`` builds (once per prefix and schema) the live-message table and
+the dead-letter table; ``metadata`` holds the default ``delayq_*`` tables. The Alembic
+migrations build exactly this schema, and a test holds them to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
+
+MAX_KEY_LENGTH = 200
+MAX_QUEUE_LENGTH = 100
+DEFAULT_PREFIX = "delayq_"
+
+
+@dataclass(frozen=True, eq=False)
+class Tables:
+    """The tables of one delayq installation (one prefix in one schema)."""
+
+    metadata: sa.MetaData
+    messages: sa.Table
+    dead_letters: sa.Table
+
+
+@functools.lru_cache(maxsize=None)
+def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tables:
+    """The tables named ``{prefix}messages`` and ``{prefix}dead_letters`` in ``schema``."""
+    md = sa.MetaData(schema=schema)
+    messages = sa.Table(
+        f"{prefix}messages",
+        md,
+        sa.Column("id", BigId, primary_key=True, autoincrement=True),
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
+        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
+        sa.Column("payload", Payload, nullable=False),
+        sa.Column("payload_type", sa.String(100), nullable=False),
+        sa.Column("scheduled_at", sa.BigInteger, nullable=False),
+        sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),
+        sa.Column("created_at", sa.BigInteger, nullable=False),
+        sa.Column("lock_token", sa.String(36), nullable=True),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
+        sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
+        sa.Index(f"{prefix}messages_lock_ix", "lock_token"),
+        **TABLE_OPTIONS,
+    )
+    dead_letters = sa.Table(
+        f"{prefix}dead_letters",
+        md,
+        sa.Column("id", BigId, primary_key=True, autoincrement=True),
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
+        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
+        sa.Column("payload", Payload, nullable=False),
+        sa.Column("payload_type", sa.String(100), nullable=False),
+        sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),
+        sa.Column("created_at", sa.BigInteger, nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("failed_at", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}dead_letters_queue_key_ix", "queue", "key"),
+        sa.Index(f"{prefix}dead_letters_failed_ix", "queue", "failed_at"),
+        **TABLE_OPTIONS,
+    )
+    return Tables(md, messages, dead_letters)
+
+
+_default = make_tables()
+metadata = _default.metadata
+messages = _default.messages
+dead_letters = _default.dead_letters
