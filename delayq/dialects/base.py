@@ -67,6 +67,8 @@ class Statements:
             created_at=now,
             attempts=0,
         )
+        if dialect.insert_returns_created:
+            self.insert = self.insert.returning(m.c.id)
         self.insert_rows = dialect.insert_skipping_duplicates(m)
         self.existing_keys = sa.select(m.c.key).where(
             m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True))
@@ -168,7 +170,7 @@ class Dialect:
     """A backend as delayq sees it. Subclasses override what differs; see each override's note."""
 
     name: ClassVar[str] = "base"
-    #: Whether a multi-row insert that skips duplicates can report which rows it created.
+    #: Whether an insert that skips duplicates can return the rows it created (RETURNING).
     insert_returns_created: ClassVar[bool] = True
 
     def __init__(self, sa_dialect: sa.Dialect) -> None:
@@ -218,7 +220,7 @@ class Dialect:
 
     def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
         """Insert one message; True when created, False when its key existed."""
-        return conn.execute(stmts.insert, params).rowcount == 1
+        return conn.execute(stmts.insert, params).first() is not None
 
     def insert_many_if_absent(
         self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]

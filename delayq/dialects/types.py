@@ -19,10 +19,4 @@ def name_type(length: int) -> sa.types.TypeEngine[str]:
     )
 
 
-TABLE_OPTIONS: dict[str, object] = {
-    "mysql_engine": "InnoDB",
-    "mysql_charset": "utf8mb4",
-    # PostgreSQL inserts would otherwise carry RETURNING id, and ON CONFLICT DO NOTHING's
-    # rowcount (1 created / 0 skipped) is what the single offer reads.
-    "implicit_returning": False,
-}
+TABLE_OPTIONS: dict[str, str] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}

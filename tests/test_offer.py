@@ -1,0 +1,93 @@
+"""Offers: dedupe by key, replace with update=True, batches in order."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from conftest import START, count_rows
+
+from delayq import DelayedQueue, ManualClock, OfferOutcome
+
+C, U, I = OfferOutcome.CREATED, OfferOutcome.UPDATED, OfferOutcome.IGNORED
+HOUR = dt.timedelta(hours=1)
+
+
+def test_offer_creates_then_ignores_the_same_key(queue: DelayedQueue) -> None:
+    assert queue.offer("welcome-42", {"user": 42}, at=HOUR) is C
+    assert queue.offer("welcome-42", {"user": 43}, at=2 * HOUR) is I
+    msg = queue.get("welcome-42")
+    assert msg is not None
+    assert msg.payload == {"user": 42}
+    assert msg.scheduled_at == START + HOUR
+    assert msg.attempts == 0 and msg.last_error is None and not msg.locked
+
+
+def test_update_replaces_and_identical_content_is_ignored(queue: DelayedQueue) -> None:
+    at = START + HOUR
+    assert queue.offer("k", {"v": 1}, at=at) is C
+    assert queue.offer("k", {"v": 1}, at=at, update=True) is I
+    assert queue.offer("k", {"v": 2}, at=at, update=True) is U
+    assert queue.offer("k", {"v": 2}, at=at + HOUR, update=True) is U
+    msg = queue.get("k")
+    assert msg is not None and msg.payload == {"v": 2} and msg.scheduled_at == at + HOUR
+
+
+def test_same_key_in_two_queues_is_two_messages(make_queue, queue_name: str) -> None:  # type: ignore[no-untyped-def]
+    a, b = make_queue(), make_queue(name=queue_name + "-other")
+    assert a.offer("k", 1) is C
+    assert b.offer("k", 2) is C
+    assert a.get("k").payload == 1 and b.get("k").payload == 2
+
+
+def test_keys_are_case_and_space_sensitive(queue: DelayedQueue) -> None:
+    assert [queue.offer(k, k) for k in ("Key", "key", "KEY", "ключ", "Ключ")] == [C] * 5
+
+
+def test_at_defaults_to_now_and_takes_aware_datetimes_in_any_zone(queue: DelayedQueue) -> None:
+    queue.offer("now", 1)
+    berlin = dt.timezone(dt.timedelta(hours=1))
+    queue.offer("later", 2, at=dt.datetime(2030, 1, 1, 2, 0, tzinfo=berlin))
+    assert queue.get("now").scheduled_at == START
+    assert queue.get("later").scheduled_at == START + HOUR
+
+
+def test_offer_many_reports_outcomes_in_input_order(queue: DelayedQueue) -> None:
+    queue.offer("b", "old")
+    outcomes = queue.offer_many([("a", 1, None), ("b", 2, HOUR), ("c", 3, START + HOUR), ("a", 4, None)])
+    assert outcomes == [C, I, C, I]
+    assert queue.get("a").payload == 1 and queue.get("b").payload == "old"
+    assert queue.get("c").scheduled_at == START + HOUR
+
+
+def test_offer_many_with_update_replaces_existing(queue: DelayedQueue) -> None:
+    queue.offer_many([("a", 1, None), ("b", 2, None)])
+    outcomes = queue.offer_many([("a", 1, None), ("b", 20, None), ("c", 3, None), ("c", 30, None)], update=True)
+    assert outcomes == [I, U, C, U]
+    assert [queue.get(k).payload for k in "abc"] == [1, 20, 30]
+
+
+def test_offer_many_large_batch_spans_chunks(queue: DelayedQueue, engine, queue_name: str) -> None:  # type: ignore[no-untyped-def]
+    items = [(f"k{i}", {"i": i}, dt.timedelta(seconds=i)) for i in range(1203)]
+    assert queue.offer_many(items) == [C] * 1203
+    assert queue.offer_many(items[::2]) == [I] * 602
+    assert count_rows(engine, queue_name) == 1203
+    assert queue.offer_many([]) == []
+
+
+def test_database_clock_is_used_without_an_injected_clock(make_queue) -> None:  # type: ignore[no-untyped-def]
+    q = make_queue(clock=None)
+    before = dt.datetime.now(dt.UTC)
+    q.offer("a", 1, at=HOUR)
+    q.offer_many([("b", 2, HOUR)])
+    after = dt.datetime.now(dt.UTC)
+    slack = dt.timedelta(seconds=5)  # the database's clock may differ a little from ours
+    for key in "ab":
+        msg = q.get(key)
+        assert before + HOUR - slack <= msg.scheduled_at <= after + HOUR + slack
+        assert before - slack <= msg.created_at <= after + slack
+
+
+def test_manual_clock_moves_time(clock: ManualClock) -> None:
+    assert clock.advance(HOUR) == START + HOUR
+    clock.set(START)
+    assert clock.now() == START
