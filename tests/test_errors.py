@@ -1,0 +1,108 @@
+"""Bad input raises a DelayqError a user can act on, and writes nothing."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import count_rows
+
+from delayq import (
+    BytesSerializer,
+    DelayedQueue,
+    DelayqError,
+    InvalidInputError,
+    InvalidKeyError,
+    InvalidQueueError,
+    InvalidTimeError,
+    PayloadError,
+    SchemaMissingError,
+    SerializationMismatchError,
+    UnsupportedDatabaseError,
+)
+from delayq.dialects import dialect_class
+from delayq.dialects.mysql import check_version
+
+NAIVE = dt.datetime(2030, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda q: q.offer("k", 1, at=NAIVE), InvalidTimeError, "naive"),
+        (lambda q: q.offer("k", 1, at="tomorrow"), InvalidTimeError, "datetime"),
+        (lambda q: q.offer("", 1), InvalidKeyError, "empty"),
+        (lambda q: q.offer("k" * 201, 1), InvalidKeyError, "at most 200"),
+        (lambda q: q.offer(42, 1), InvalidKeyError, "str"),
+        (lambda q: q.offer("k", {1, 2}), PayloadError, "serialized"),
+        (lambda q: q.offer("k", float("nan")), PayloadError, "serialized"),
+        (lambda q: q.offer_many([("ok", 1, None), ("bad", object(), None)]), PayloadError, "serialized"),
+        (lambda q: q.offer_many([("ok", 1, None), ("late", 1, NAIVE)]), InvalidTimeError, "naive"),
+        (lambda q: q.try_poll_many(0), InvalidInputError, "positive"),
+        (lambda q: q.reschedule("k", at=NAIVE), InvalidTimeError, "naive"),
+    ],
+)
+def test_bad_input_is_refused_and_writes_nothing(
+    queue: DelayedQueue, engine: sa.Engine, queue_name: str,
+    call: Callable[[DelayedQueue], Any], error: type[DelayqError], says: str,
+) -> None:
+    with pytest.raises(error, match=says):
+        call(queue)
+    assert count_rows(engine, queue_name) == 0
+
+
+@pytest.mark.parametrize("name", ["", "q" * 101, None])
+def test_bad_queue_names_are_refused(engine: sa.Engine, name: Any) -> None:
+    with pytest.raises(InvalidQueueError):
+        DelayedQueue(engine, name)
+
+
+def test_a_key_of_200_characters_fits(queue: DelayedQueue) -> None:
+    key = "ķ" * 200
+    queue.offer(key, 1)
+    assert queue.get(key) is not None
+
+
+def test_a_row_of_another_serializer_is_refused_and_the_claim_undone(
+    make_queue: Callable[..., DelayedQueue],
+) -> None:
+    raw = make_queue(serializer=BytesSerializer())
+    raw.offer("k", b"\x00\xff")
+    as_json = make_queue()
+    with pytest.raises(SerializationMismatchError, match="'bytes'"):
+        as_json.get("k")
+    with pytest.raises(SerializationMismatchError, match="cancel the message"):
+        as_json.try_poll()
+    msg = raw.get("k")
+    assert msg is not None and msg.attempts == 0 and not msg.locked
+
+
+def test_missing_tables_say_to_run_migrate(engine: sa.Engine) -> None:
+    q = DelayedQueue(engine, "q", table_prefix="not_migrated_")
+    with pytest.raises(SchemaMissingError, match="delayq migrate"):
+        q.offer("k", 1)
+    with pytest.raises(SchemaMissingError, match="delayq migrate"):
+        q.try_poll()
+    with engine.connect() as conn, pytest.raises(SchemaMissingError):
+        q.stats(using=conn)
+
+
+@pytest.mark.parametrize(
+    ("version", "mariadb"), [((10, 5, 22), True), ((10, 3, 0), True), ((8, 0, 0), False), ((5, 7, 44), False)]
+)
+def test_servers_without_skip_locked_are_refused(version: tuple[int, ...], mariadb: bool) -> None:
+    with pytest.raises(UnsupportedDatabaseError, match="SKIP LOCKED"):
+        check_version(version, mariadb)
+
+
+@pytest.mark.parametrize(("version", "mariadb"), [((10, 6, 0), True), ((10, 11, 19), True), ((8, 0, 1), False)])
+def test_servers_with_skip_locked_are_accepted(version: tuple[int, ...], mariadb: bool) -> None:
+    check_version(version, mariadb)
+
+
+def test_unsupported_backends_are_refused() -> None:
+    with pytest.raises(UnsupportedDatabaseError, match="supported: mariadb, mysql, postgresql, sqlite"):
+        dialect_class("oracle")
