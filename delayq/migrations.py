@@ -9,6 +9,7 @@ run ``alembic upgrade heads``, and pass ``include_name`` (or delayq's ``metadata
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,21 @@ def table_names(prefix: str = DEFAULT_PREFIX) -> set[str]:
     return {f"{prefix}messages", f"{prefix}dead_letters", version_table(prefix)}
 
 
-def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+IncludeName = Callable[[str | None, str, Any], bool]
+
+
+def include_name_for(prefix: str = DEFAULT_PREFIX) -> IncludeName:
     """An Alembic ``include_name`` hook that keeps delayq's tables out of an application's autogenerate."""
-    return not (type_ == "table" and name is not None and name in table_names())
+    ours = table_names(prefix)
+
+    def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+        return not (type_ == "table" and name in ours)
+
+    return include_name
+
+
+include_name = include_name_for()
+"""``include_name_for()`` for the default table names."""
 
 
 def migration_options() -> tuple[str, str | None]:

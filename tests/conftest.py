@@ -123,15 +123,24 @@ def backend_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 _backends: dict[str, Backend] = {}
 
 
+def _backend(name: str, urls: dict[str, str]) -> Backend:
+    """The named backend, migrated with delayq's own migrations at first use."""
+    if name not in _backends:
+        _fresh_schema(urls[name])
+        _backends[name] = Backend(name, urls[name], make_engine(urls[name]))
+    return _backends[name]
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Backend:
-    """Each backend once, migrated with delayq's own migrations at first use."""
-    name = request.param
-    if name not in _backends:
-        url = backend_urls[name]
-        _fresh_schema(url)
-        _backends[name] = Backend(name, url, make_engine(url))
-    return _backends[name]
+    """Each backend in turn."""
+    return _backend(request.param, backend_urls)
+
+
+@pytest.fixture
+def postgres(backend_urls: dict[str, str]) -> Backend:
+    """PostgreSQL alone, for what only it has (planner settings, EXPLAIN)."""
+    return _backend("postgresql", backend_urls)
 
 
 @pytest.fixture

@@ -1,0 +1,118 @@
+"""Concurrency invariants with real threads, each on its own pooled connection, on every backend."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend, count_rows
+
+from delayq import DelayedQueue, ManualClock, OfferOutcome
+
+T = TypeVar("T")
+MESSAGES = 5000
+
+
+def run_together(n: int, work: Callable[[int], T]) -> list[T]:
+    """Run ``work(i)`` on ``n`` threads released at once by a barrier."""
+    barrier = threading.Barrier(n)
+
+    def start(i: int) -> T:
+        barrier.wait()
+        return work(i)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(start, range(n)))
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_sixteen_producers_of_one_key_create_exactly_one(queue: DelayedQueue, update: bool) -> None:
+    for round_ in range(5):
+        key = f"race-{round_}"
+        outcomes = run_together(16, lambda i, key=key: queue.offer(key, {"by": i}, update=update))
+        counts = Counter(outcomes)
+        assert counts[OfferOutcome.CREATED] == 1
+        assert counts[OfferOutcome.CREATED] + counts[OfferOutcome.UPDATED] + counts[OfferOutcome.IGNORED] == 16
+        if not update:
+            assert counts[OfferOutcome.IGNORED] == 15
+        assert queue.get(key) is not None
+
+
+def drain(queue: DelayedQueue, consumers: int, batch: int) -> tuple[Counter[str], int]:
+    """Consume until empty with ``consumers`` threads; returns deliveries per key and the largest claim."""
+    delivered: Counter[str] = Counter()
+    largest = 0
+    lock = threading.Lock()
+
+    def consume(_: int) -> None:
+        nonlocal largest
+        while True:
+            got = queue.try_poll_many(batch)
+            if not got:
+                return
+            assert queue.ack_many(got) == len(got)
+            with lock:
+                largest = max(largest, len(got))
+                delivered.update(d.key for d in got)
+
+    run_together(consumers, consume)
+    return delivered, largest
+
+
+@pytest.mark.parametrize("batch", [1, 10, 100])
+def test_four_consumers_deliver_every_message_exactly_once(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, queue_name: str, batch: int
+) -> None:
+    queue = make_queue(visibility_timeout=dt.timedelta(hours=1))
+    keys = [f"m{i}" for i in range(MESSAGES)]
+    queue.offer_many([(k, {"k": k}, None) for k in keys])
+    delivered, largest = drain(queue, consumers=4, batch=batch)
+    assert set(delivered) == set(keys)
+    assert max(delivered.values()) == 1
+    assert largest <= batch
+    assert count_rows(engine, queue_name) == 0
+
+
+def test_the_postgres_claim_respects_its_limit_under_nested_loop_plans(
+    postgres: Backend, queue_name: str, clock: ManualClock
+) -> None:
+    nested = postgres.make_engine(connect_args={
+        "options": "-c enable_hashjoin=off -c enable_mergejoin=off -c enable_material=off"})
+    try:
+        queue = DelayedQueue(nested, queue_name, clock=clock, visibility_timeout=dt.timedelta(hours=1))
+        keys = [f"m{i}" for i in range(1000)]
+        queue.offer_many([(k, 1, None) for k in keys])
+        for limit in (1, 7):
+            assert len(queue.try_poll_many(limit)) == limit
+        delivered, largest = drain(queue, consumers=4, batch=10)
+        assert largest <= 10
+        assert sum(delivered.values()) == 1000 - 8
+        assert max(delivered.values()) == 1
+    finally:
+        nested.dispose()
+
+
+def test_batch_offers_racing_single_offers_lose_nothing(queue: DelayedQueue, engine: sa.Engine,
+                                                        queue_name: str) -> None:
+    keys = [f"k{i}" for i in range(2000)]
+
+    def produce(i: int) -> list[OfferOutcome]:
+        mine = keys if i % 2 == 0 else keys[::-1]
+        if i < 2:
+            outcomes: list[OfferOutcome] = []
+            for start in range(0, len(mine), 100):
+                outcomes += queue.offer_many([(k, k, None) for k in mine[start:start + 100]])
+            return outcomes
+        return [queue.offer(k, k) for k in mine]
+
+    results = run_together(4, produce)
+    counts = Counter(o for outcomes in results for o in outcomes)
+    assert counts[OfferOutcome.CREATED] == len(keys)
+    assert counts[OfferOutcome.IGNORED] == 3 * len(keys)
+    assert count_rows(engine, queue_name) == len(keys)

@@ -1,0 +1,164 @@
+"""The migrations build exactly delayq.schema, standalone, after pip install, and embedded in an app."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from conftest import BACKENDS, REPO_ROOT, Backend
+
+from delayq import migrations
+from delayq.schema import make_tables
+
+PREFIX = "mig_"
+
+
+def schema_diff(engine: sa.Engine, prefix: str) -> list[object]:
+    tables = make_tables(prefix)
+    ours = {t.name for t in tables.metadata.sorted_tables}
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={
+            "compare_type": True,
+            "include_name": lambda name, type_, _: type_ != "table" or name in ours,
+        })
+        return list(compare_metadata(ctx, tables.metadata))
+
+
+def table_exists(engine: sa.Engine, name: str) -> bool:
+    return sa.inspect(engine).has_table(name)
+
+
+def alembic_cli(*args: str, cwd: Path = REPO_ROOT) -> None:
+    subprocess.run([sys.executable, "-m", "alembic", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_alembic_upgrade_and_downgrade_from_the_repo_root(backend: Backend) -> None:
+    x = ["-x", f"url={backend.url}", "-x", f"delayq_prefix={PREFIX}"]
+    alembic_cli(*x, "downgrade", "base")
+    alembic_cli(*x, "upgrade", "heads")
+    try:
+        assert schema_diff(backend.engine, PREFIX) == []
+        assert table_exists(backend.engine, f"{PREFIX}alembic_version")
+    finally:
+        alembic_cli(*x, "downgrade", "base")
+    assert not table_exists(backend.engine, f"{PREFIX}messages")
+    assert not table_exists(backend.engine, f"{PREFIX}dead_letters")
+
+
+def test_migrate_is_idempotent_and_matches_the_schema(backend: Backend) -> None:
+    prefix = "mig2_"
+    migrations.downgrade(backend.url, prefix=prefix)
+    try:
+        migrations.upgrade(backend.url, prefix=prefix)
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)
+
+
+APP_ENV = '''
+import sqlalchemy as sa
+from alembic import context
+from delayq.migrations import include_name_for
+
+app_metadata = sa.MetaData()
+sa.Table("app_orders", app_metadata, sa.Column("id", sa.Integer, primary_key=True))
+config = context.config
+url = context.get_x_argument(as_dictionary=True)["url"]
+prefix = context.get_x_argument(as_dictionary=True)["delayq_prefix"]
+
+engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+with engine.connect() as conn:
+    context.configure(connection=conn, target_metadata=app_metadata, version_table="app_alembic_version",
+                      include_name=include_name_for(prefix))
+    with context.begin_transaction():
+        context.run_migrations()
+'''
+
+APP_REVISION = '''
+import sqlalchemy as sa
+from alembic import op
+
+revision = "app_0001"
+down_revision = None
+branch_labels = ("app",)
+depends_on = None
+
+
+def upgrade():
+    op.create_table("app_orders", sa.Column("id", sa.Integer, primary_key=True))
+
+
+def downgrade():
+    op.drop_table("app_orders")
+'''
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_delayq_as_a_branch_of_an_applications_alembic(
+    name: str, backend_urls: dict[str, str], tmp_path: Path
+) -> None:
+    url = backend_urls[name] if name != "sqlite" else f"sqlite:///{tmp_path / 'app.db'}"
+    prefix = "app_dq_"
+    (tmp_path / "migrations" / "versions").mkdir(parents=True)
+    (tmp_path / "migrations" / "env.py").write_text(APP_ENV)
+    (tmp_path / "migrations" / "versions" / "app_0001.py").write_text(APP_REVISION)
+    (tmp_path / "migrations" / "script.py.mako").write_text((REPO_ROOT / "alembic" / "script.py.mako").read_text())
+    # A package-resource path may hold spaces: separate the locations with spaces only if none do.
+    (tmp_path / "alembic.ini").write_text(textwrap.dedent(f"""
+        [alembic]
+        script_location = %(here)s/migrations
+        path_separator = newline
+        version_locations =
+            %(here)s/migrations/versions
+            {migrations.versions_location()}
+    """))
+    x = ["-x", f"url={url}", "-x", f"delayq_prefix={prefix}"]
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    alembic_cli(*x, "downgrade", "base", cwd=tmp_path)
+    try:
+        alembic_cli(*x, "upgrade", "heads", cwd=tmp_path)
+        assert table_exists(engine, f"{prefix}messages") and table_exists(engine, "app_orders")
+        assert schema_diff(engine, prefix) == []
+        alembic_cli(*x, "revision", "--autogenerate", "--head", "app@head", "-m", "check", cwd=tmp_path)
+        [generated] = [p for p in (tmp_path / "migrations" / "versions").glob("*.py") if p.name != "app_0001.py"]
+        body = generated.read_text()
+        # Nothing for delayq's tables (nor the app's). The shared servers hold other tests' tables,
+        # which autogenerate rightly proposes to drop; the SQLite file holds only this app's.
+        assert prefix not in body and "app_orders" not in body, body
+        if name == "sqlite":
+            assert "op." not in body, body
+        generated.unlink()
+    finally:
+        alembic_cli(*x, "downgrade", "base", cwd=tmp_path)
+        engine.dispose()
+
+
+@pytest.mark.slow
+def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(
+    backend_urls: dict[str, str], tmp_path: Path
+) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"{REPO_ROOT}[postgres,mysql]"], check=True, capture_output=True)
+    delayq_cli = str(venv / "bin" / "delayq")
+    for name in BACKENDS:
+        url = backend_urls[name] if name != "sqlite" else f"sqlite:///{tmp_path / 'fresh.db'}"
+        env = {**os.environ, "DELAYQ_URL": url}
+        done = subprocess.run([delayq_cli, "migrate", "--prefix", "pip_"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            assert schema_diff(engine, "pip_") == []
+        finally:
+            migrations.downgrade(url, prefix="pip_")
+            engine.dispose()
