@@ -1,0 +1,107 @@
+"""Compile-only tests that pin the SQL of offer, claim and ack per dialect, and one EXPLAIN."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from delayq.dialects import Dialect, dialect_class
+from delayq.dialects.postgresql import _claim_statement
+from delayq.schema import make_tables
+
+SA_DIALECTS = {"postgresql": postgresql.dialect(), "mysql": mysql.dialect(), "sqlite": sqlite.dialect()}
+NOW = {
+    "postgresql": "CAST(floor(EXTRACT(epoch FROM statement_timestamp()) * %(param_1)s::INTEGER) AS BIGINT)",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
+    "sqlite": "CAST(round((julianday(?) - ?) * ?) AS BIGINT)",
+}
+
+
+def sql(name: str, pick: str) -> str:
+    sa_dialect = SA_DIALECTS[name]
+    dialect: Dialect = dialect_class(name)(sa_dialect)
+    stmts = dialect.statements(make_tables(), False)
+    stmt = _claim_statement(stmts) if (name, pick) == ("postgresql", "claim") else getattr(stmts, pick)
+    text = str(stmt.compile(dialect=sa_dialect)).replace(NOW[name], "<now>")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+EXPECTED = {
+    ("postgresql", "insert"):
+        "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially, "
+        "created_at, attempts) VALUES (%(queue_name)s::VARCHAR, %(msg_key)s::VARCHAR, %(payload)s, "
+        "%(payload_type)s::VARCHAR, coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), "
+        "coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), <now>, %(attempts)s::INTEGER) "
+        "ON CONFLICT (queue, key) DO NOTHING RETURNING delayq_messages.id",
+    ("mysql", "insert"):
+        "INSERT INTO delayq_messages (queue, `key`, payload, payload_type, scheduled_at, scheduled_at_initially, "
+        "created_at, attempts) VALUES (%s, %s, %s, %s, coalesce(%s, <now> + %s), coalesce(%s, <now> + %s), "
+        "<now>, %s)",
+    ("sqlite", "insert"):
+        'INSERT INTO delayq_messages (queue, "key", payload, payload_type, scheduled_at, scheduled_at_initially, '
+        "created_at, attempts) VALUES (?, ?, ?, ?, coalesce(?, <now> + ?), coalesce(?, <now> + ?), <now>, ?) "
+        'ON CONFLICT (queue, "key") DO NOTHING RETURNING id',
+    ("postgresql", "claim"):
+        "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id, delayq_messages.scheduled_at AS "
+        "scheduled_at FROM delayq_messages WHERE delayq_messages.queue = %(queue_name)s::VARCHAR AND "
+        "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+        "LIMIT %(limit)s::INTEGER FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> + "
+        "%(visibility)s::BIGINT), lock_token=%(token)s::VARCHAR, attempts=(delayq_messages.attempts + "
+        "%(attempts_1)s::INTEGER) FROM picked WHERE delayq_messages.id = picked.id RETURNING delayq_messages.id, "
+        "delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, picked.scheduled_at, "
+        "delayq_messages.scheduled_at AS scheduled_at_1, delayq_messages.attempts, delayq_messages.created_at, "
+        "delayq_messages.scheduled_at_initially",
+    ("mysql", "claim_candidates"):
+        "SELECT delayq_messages.id, delayq_messages.`key`, delayq_messages.payload, delayq_messages.payload_type, "
+        "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
+        "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
+        "%s AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+        "LIMIT %s FOR UPDATE SKIP LOCKED",
+    ("mysql", "mark_claimed"):
+        "UPDATE delayq_messages SET scheduled_at=%s, lock_token=%s, attempts=(delayq_messages.attempts + %s) "
+        "WHERE delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    ("sqlite", "claim_candidates"):
+        'SELECT delayq_messages.id, delayq_messages."key", delayq_messages.payload, delayq_messages.payload_type, '
+        "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
+        "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
+        "? AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+        "LIMIT ? OFFSET ?",
+    ("postgresql", "ack"):
+        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
+        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    ("mysql", "ack"):
+        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %s AND "
+        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    ("sqlite", "ack"):
+        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND "
+        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+}
+
+
+@pytest.mark.parametrize(("name", "pick"), list(EXPECTED))
+def test_the_emitted_sql_is_pinned(name: str, pick: str) -> None:
+    assert sql(name, pick) == EXPECTED[(name, pick)]
+
+
+def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backend) -> None:
+    tables = make_tables()
+    stmts = dialect_class("postgresql")(postgres.engine.dialect).statements(tables, False)
+    with postgres.engine.connect() as conn:
+        conn.begin()
+        conn.exec_driver_sql(
+            "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at,"
+            " scheduled_at_initially, created_at)"
+            " SELECT 'explain-' || mod(g, 10), 'k' || g, '\\x00', 'json', g, g, 0"
+            " FROM generate_series(1, 100000) AS g")
+        conn.exec_driver_sql("ANALYZE delayq_messages")
+        compiled = _claim_statement(stmts).compile(dialect=conn.dialect)
+        params = compiled.construct_params({"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1})
+        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + compiled.string, params).scalars())
+        conn.rollback()
+    assert "Index Scan using delayq_messages_due_ix" in plan, plan
+    assert "Seq Scan on delayq_messages" not in plan, plan
+    assert "LockRows" in plan and "CTE picked" in plan, plan
