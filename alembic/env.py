@@ -6,8 +6,8 @@ import logging.config
 import os
 
 import sqlalchemy as sa
-from alembic import context
 
+from alembic import context
 from delayq.migrations import migration_options, version_table
 from delayq.schema import make_tables
 

@@ -17,8 +17,9 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True,
-              help="Database URL (or DELAYQ_URL).")
+@click.option(
+    "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
+)
 @click.option("--revision", default="heads", show_default=True, help="Alembic revision to upgrade to.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Table name prefix.")
 @click.option("--schema", default=None, help="Database schema of the tables.")

@@ -106,9 +106,7 @@ class Delivery:
         """Delete the message; True when this delivery still held the lock."""
         return self._queue.ack_many([self], using=using) == 1
 
-    def retry(
-        self, delay: dt.timedelta = dt.timedelta(0), error: str | None = None, *, using: Using = None
-    ) -> bool:
+    def retry(self, delay: dt.timedelta = dt.timedelta(0), error: str | None = None, *, using: Using = None) -> bool:
         """Release the message for another attempt after ``delay``, recording ``error``."""
         return self._queue._retry(self, delay, error, using)
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from alembic import command
 from alembic.config import Config
 from sqlalchemy.engine import Connection
 
+from alembic import command
 from delayq.schema import DEFAULT_PREFIX
 
 BRANCH = "delayq"
@@ -41,8 +41,13 @@ def version_table(prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}alembic_version"
 
 
-def config(url: str | None = None, *, connection: Connection | None = None, prefix: str = DEFAULT_PREFIX,
-           schema: str | None = None) -> Config:
+def config(
+    url: str | None = None,
+    *,
+    connection: Connection | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    schema: str | None = None,
+) -> Config:
     """An Alembic ``Config`` for delayq's own environment, on a URL or an open connection."""
     cfg = Config()
     cfg.set_main_option("script_location", script_location())

@@ -15,7 +15,7 @@ from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError,
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
 from delayq.serializers import JsonSerializer, Serializer, encode
-from delayq.transactions import Runner, TransientRetry, Using
+from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
 
 __all__ = ["At", "DelayedQueue", "Using"]
 
@@ -55,7 +55,7 @@ class DelayedQueue:
         clock: Clock | None = None,
         table_prefix: str = DEFAULT_PREFIX,
         schema: str | None = None,
-        transient_retry: TransientRetry = TransientRetry(),
+        transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
         self.name = check_queue_name(name)
         self.engine = engine
@@ -72,8 +72,9 @@ class DelayedQueue:
         return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
 
     # -- producers ------------------------------------------------------------------------------
-    def offer(self, key: str, payload: Any, at: At = None, *, update: bool = False,
-              using: Using = None) -> OfferOutcome:
+    def offer(
+        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: Using = None
+    ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists in the queue.
 
         With ``update=True`` an existing message is replaced (payload and due time; its
@@ -88,8 +89,9 @@ class DelayedQueue:
 
         return self._runner.run(using, op, "statement" if not update else "transaction")
 
-    def offer_many(self, items: Iterable[tuple[str, Any, At]], *, update: bool = False,
-                   using: Using = None) -> list[OfferOutcome]:
+    def offer_many(
+        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
+    ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
 
         All items are validated first: a bad one raises before anything is written. A key
@@ -109,7 +111,7 @@ class DelayedQueue:
                 first.setdefault(p["msg_key"], i)
             firsts = list(first.values())
             for start in range(0, len(firsts), OFFER_CHUNK):
-                chunk = firsts[start:start + OFFER_CHUNK]
+                chunk = firsts[start : start + OFFER_CHUNK]
                 rows = [_row(prepared[i], now) for i in chunk]
                 created = dialect.insert_many_if_absent(conn, stmts, self.name, rows)
                 for i in chunk:
@@ -117,8 +119,9 @@ class DelayedQueue:
                         outcomes[i] = OfferOutcome.CREATED
             for i, p in enumerate(prepared):
                 if outcomes[i] is None:
-                    outcomes[i] = (self._offer_one(conn, dialect, stmts, p, update=True) if update
-                                   else OfferOutcome.IGNORED)
+                    outcomes[i] = (
+                        self._offer_one(conn, dialect, stmts, p, update=True) if update else OfferOutcome.IGNORED
+                    )
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
@@ -163,8 +166,13 @@ class DelayedQueue:
         return self._runner.run(using, op, "statement" if len(by_token) == 1 else "transaction")
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
-        params = {"msg_id": d.id, "token": d.lock_token, "delay": duration_ms(delay, "delay"),
-                  "error": error, **self._now_param()}
+        params = {
+            "msg_id": d.id,
+            "token": d.lock_token,
+            "delay": duration_ms(delay, "delay"),
+            "error": error,
+            **self._now_param(),
+        }
         return self._held_update(lambda s: s.retry, params, using)
 
     def _extend(self, d: Delivery, by: dt.timedelta, using: Using) -> bool:
@@ -188,11 +196,20 @@ class DelayedQueue:
             row = conn.execute(stmts.select_held, held).first()
             if row is None:
                 return False
-            conn.execute(stmts.insert_dead, {
-                "queue": row.queue, "key": row.key, "payload": row.payload, "payload_type": row.payload_type,
-                "scheduled_at_initially": row.scheduled_at_initially, "created_at": row.created_at,
-                "attempts": row.attempts, "last_error": error, "failed_at": row.now,
-            })
+            conn.execute(
+                stmts.insert_dead,
+                {
+                    "queue": row.queue,
+                    "key": row.key,
+                    "payload": row.payload,
+                    "payload_type": row.payload_type,
+                    "scheduled_at_initially": row.scheduled_at_initially,
+                    "created_at": row.created_at,
+                    "attempts": row.attempts,
+                    "last_error": error,
+                    "failed_at": row.now,
+                },
+            )
             conn.execute(stmts.delete_held, held)
             return True
 
@@ -208,10 +225,13 @@ class DelayedQueue:
             if row is None:
                 return None
             return Message(
-                key=row.key, payload=self._decode(row.key, row.payload_type, row.payload),
+                key=row.key,
+                payload=self._decode(row.key, row.payload_type, row.payload),
                 scheduled_at=from_ms(row.scheduled_at),
                 scheduled_at_initially=from_ms(row.scheduled_at_initially),
-                created_at=from_ms(row.created_at), attempts=row.attempts, last_error=row.last_error,
+                created_at=from_ms(row.created_at),
+                attempts=row.attempts,
+                last_error=row.last_error,
                 locked=row.lock_token is not None,
             )
 
@@ -232,8 +252,13 @@ class DelayedQueue:
         True when there was such a message.
         """
         due_at, due_in = _due(at)
-        params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": due_at, "due_in": due_in,
-                  **self._now_param()}
+        params = {
+            "queue_name": self.name,
+            "msg_key": check_key(key),
+            "due_at": due_at,
+            "due_in": due_in,
+            **self._now_param(),
+        }
 
         def op(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
@@ -247,8 +272,14 @@ class DelayedQueue:
         def op(conn: Connection, dialect: Dialect) -> QueueStats:
             r = conn.execute(self._statements(dialect).stats, params).one()
             age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
-            return QueueStats(ready=int(r.ready), scheduled=int(r.scheduled), in_flight=int(r.in_flight),
-                              expired_locks=int(r.expired_locks), dead=int(r.dead), oldest_due_age=age)
+            return QueueStats(
+                ready=int(r.ready),
+                scheduled=int(r.scheduled),
+                in_flight=int(r.in_flight),
+                expired_locks=int(r.expired_locks),
+                dead=int(r.dead),
+                oldest_due_age=age,
+            )
 
         return self._runner.run(using, op, "read")
 
@@ -260,9 +291,14 @@ class DelayedQueue:
             rows = conn.execute(self._statements(dialect).dead_letters, params).all()
             return [
                 DeadMessage(
-                    id=r.id, key=r.key, payload=self._decode(r.key, r.payload_type, r.payload),
-                    scheduled_at_initially=from_ms(r.scheduled_at_initially), created_at=from_ms(r.created_at),
-                    attempts=r.attempts, last_error=r.last_error, failed_at=from_ms(r.failed_at),
+                    id=r.id,
+                    key=r.key,
+                    payload=self._decode(r.key, r.payload_type, r.payload),
+                    scheduled_at_initially=from_ms(r.scheduled_at_initially),
+                    created_at=from_ms(r.created_at),
+                    attempts=r.attempts,
+                    last_error=r.last_error,
+                    failed_at=from_ms(r.failed_at),
                 )
                 for r in rows
             ]
@@ -284,12 +320,18 @@ class DelayedQueue:
     def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
         due_at, due_in = _due(at)
         return {
-            "queue_name": self.name, "msg_key": check_key(key), "payload": encode(self.serializer, payload),
-            "payload_type": self.serializer.type_tag, "due_at": due_at, "due_in": due_in, **self._now_param(),
+            "queue_name": self.name,
+            "msg_key": check_key(key),
+            "payload": encode(self.serializer, payload),
+            "payload_type": self.serializer.type_tag,
+            "due_at": due_at,
+            "due_in": due_in,
+            **self._now_param(),
         }
 
-    def _offer_one(self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any],
-                   update: bool) -> OfferOutcome:
+    def _offer_one(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
+    ) -> OfferOutcome:
         while True:
             if dialect.insert_if_absent(conn, stmts, params):
                 return OfferOutcome.CREATED
@@ -299,23 +341,39 @@ class DelayedQueue:
             if row is None:
                 continue  # a consumer acked it since the insert: offer it afresh
             due = params["due_at"] if params["due_at"] is not None else row.now + params["due_in"]
-            if (bytes(row.payload) == params["payload"] and row.payload_type == params["payload_type"]
-                    and row.scheduled_at_initially == due):
+            if (
+                bytes(row.payload) == params["payload"]
+                and row.payload_type == params["payload_type"]
+                and row.scheduled_at_initially == due
+            ):
                 return OfferOutcome.IGNORED
-            swapped = conn.execute(stmts.replace, {
-                "msg_id": row.id, "old_scheduled_at_initially": row.scheduled_at_initially,
-                "old_created_at": row.created_at, "payload": params["payload"],
-                "payload_type": params["payload_type"], "new_scheduled_at": due, "new_created_at": row.now,
-            }).rowcount
+            swapped = conn.execute(
+                stmts.replace,
+                {
+                    "msg_id": row.id,
+                    "old_scheduled_at_initially": row.scheduled_at_initially,
+                    "old_created_at": row.created_at,
+                    "payload": params["payload"],
+                    "payload_type": params["payload_type"],
+                    "new_scheduled_at": due,
+                    "new_created_at": row.now,
+                },
+            ).rowcount
             if swapped == 1:
                 return OfferOutcome.UPDATED
 
     def _delivery(self, row: ClaimedRow, token: str) -> Delivery:
         return Delivery(
-            id=row.id, key=row.key, payload=self._decode(row.key, row.payload_type, row.payload),
-            attempts=row.attempts, scheduled_at=from_ms(row.due_at),
-            scheduled_at_initially=from_ms(row.scheduled_at_initially), created_at=from_ms(row.created_at),
-            locked_until=from_ms(row.locked_until), lock_token=token, _queue=self,
+            id=row.id,
+            key=row.key,
+            payload=self._decode(row.key, row.payload_type, row.payload),
+            attempts=row.attempts,
+            scheduled_at=from_ms(row.due_at),
+            scheduled_at_initially=from_ms(row.scheduled_at_initially),
+            created_at=from_ms(row.created_at),
+            locked_until=from_ms(row.locked_until),
+            lock_token=token,
+            _queue=self,
         )
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
@@ -336,9 +394,14 @@ class DelayedQueue:
 def _row(params: dict[str, Any], now: int) -> dict[str, Any]:
     due = params["due_at"] if params["due_at"] is not None else now + params["due_in"]
     return {
-        "queue": params["queue_name"], "key": params["msg_key"], "payload": params["payload"],
-        "payload_type": params["payload_type"], "scheduled_at": due, "scheduled_at_initially": due,
-        "created_at": now, "attempts": 0,
+        "queue": params["queue_name"],
+        "key": params["msg_key"],
+        "payload": params["payload"],
+        "payload_type": params["payload_type"],
+        "scheduled_at": due,
+        "scheduled_at_initially": due,
+        "created_at": now,
+        "attempts": 0,
     }
 
 

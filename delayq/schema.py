@@ -28,7 +28,7 @@ class Tables:
     dead_letters: sa.Table
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tables:
     """The tables named ``{prefix}messages`` and ``{prefix}dead_letters`` in ``schema``."""
     md = sa.MetaData(schema=schema)

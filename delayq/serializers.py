@@ -75,6 +75,5 @@ def encode(serializer: Serializer, payload: Any) -> bytes:
         return serializer.dumps(payload)
     except (TypeError, ValueError, OverflowError) as exc:
         raise PayloadError(
-            f"payload cannot be serialized by {type(serializer).__name__} "
-            f"({serializer.type_tag}): {exc}"
+            f"payload cannot be serialized by {type(serializer).__name__} ({serializer.type_tag}): {exc}"
         ) from exc

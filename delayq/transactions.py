@@ -46,10 +46,13 @@ class TransientRetry:
         return random.uniform(0, min(self.max_delay, self.first_delay * 2**attempt))
 
 
+DEFAULT_RETRY = TransientRetry()
+
+
 class Runner:
     """Runs operations against one engine and table set."""
 
-    def __init__(self, engine: Engine, tables: Tables, retry: TransientRetry = TransientRetry()) -> None:
+    def __init__(self, engine: Engine, tables: Tables, retry: TransientRetry = DEFAULT_RETRY) -> None:
         self.engine = engine
         self.tables = tables
         self.retry = retry
@@ -90,8 +93,13 @@ class Runner:
                     self._raise_if_schema_missing(exc)
                     raise
                 pause = self.retry.delay(attempt)
-                log.warning("transient database error, retrying in %.3fs (attempt %d of %d): %s",
-                            pause, attempt + 1, self.retry.attempts, exc.orig)
+                log.warning(
+                    "transient database error, retrying in %.3fs (attempt %d of %d): %s",
+                    pause,
+                    attempt + 1,
+                    self.retry.attempts,
+                    exc.orig,
+                )
                 time.sleep(pause)
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:

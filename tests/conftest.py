@@ -112,8 +112,9 @@ def backend_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             containers.append(container)
             error = _reachable(url)
         if error is not None:
-            pytest.fail(f"{name} at {url} cannot be reached ({error.orig}); set {var} or start the server",
-                        pytrace=False)
+            pytest.fail(
+                f"{name} at {url} cannot be reached ({error.orig}); set {var} or start the server", pytrace=False
+            )
         urls[name] = url
     yield urls
     for container in containers:

@@ -82,8 +82,9 @@ def test_four_consumers_deliver_every_message_exactly_once(
 def test_the_postgres_claim_respects_its_limit_under_nested_loop_plans(
     postgres: Backend, queue_name: str, clock: ManualClock
 ) -> None:
-    nested = postgres.make_engine(connect_args={
-        "options": "-c enable_hashjoin=off -c enable_mergejoin=off -c enable_material=off"})
+    nested = postgres.make_engine(
+        connect_args={"options": "-c enable_hashjoin=off -c enable_mergejoin=off -c enable_material=off"}
+    )
     try:
         queue = DelayedQueue(nested, queue_name, clock=clock, visibility_timeout=dt.timedelta(hours=1))
         keys = [f"m{i}" for i in range(1000)]
@@ -98,8 +99,9 @@ def test_the_postgres_claim_respects_its_limit_under_nested_loop_plans(
         nested.dispose()
 
 
-def test_batch_offers_racing_single_offers_lose_nothing(queue: DelayedQueue, engine: sa.Engine,
-                                                        queue_name: str) -> None:
+def test_batch_offers_racing_single_offers_lose_nothing(
+    queue: DelayedQueue, engine: sa.Engine, queue_name: str
+) -> None:
     keys = [f"k{i}" for i in range(2000)]
 
     def produce(i: int) -> list[OfferOutcome]:
@@ -107,7 +109,7 @@ def test_batch_offers_racing_single_offers_lose_nothing(queue: DelayedQueue, eng
         if i < 2:
             outcomes: list[OfferOutcome] = []
             for start in range(0, len(mine), 100):
-                outcomes += queue.offer_many([(k, k, None) for k in mine[start:start + 100]])
+                outcomes += queue.offer_many([(k, k, None) for k in mine[start : start + 100]])
             return outcomes
         return [queue.offer(k, k) for k in mine]
 

@@ -46,8 +46,12 @@ NAIVE = dt.datetime(2030, 1, 1)
     ],
 )
 def test_bad_input_is_refused_and_writes_nothing(
-    queue: DelayedQueue, engine: sa.Engine, queue_name: str,
-    call: Callable[[DelayedQueue], Any], error: type[DelayqError], says: str,
+    queue: DelayedQueue,
+    engine: sa.Engine,
+    queue_name: str,
+    call: Callable[[DelayedQueue], Any],
+    error: type[DelayqError],
+    says: str,
 ) -> None:
     with pytest.raises(error, match=says):
         call(queue)

@@ -24,10 +24,13 @@ def schema_diff(engine: sa.Engine, prefix: str) -> list[object]:
     tables = make_tables(prefix)
     ours = {t.name for t in tables.metadata.sorted_tables}
     with engine.connect() as conn:
-        ctx = MigrationContext.configure(conn, opts={
-            "compare_type": True,
-            "include_name": lambda name, type_, _: type_ != "table" or name in ours,
-        })
+        ctx = MigrationContext.configure(
+            conn,
+            opts={
+                "compare_type": True,
+                "include_name": lambda name, type_, _: type_ != "table" or name in ours,
+            },
+        )
         return list(compare_metadata(ctx, tables.metadata))
 
 
@@ -63,7 +66,7 @@ def test_migrate_is_idempotent_and_matches_the_schema(backend: Backend) -> None:
         migrations.downgrade(backend.url, prefix=prefix)
 
 
-APP_ENV = '''
+APP_ENV = """
 import sqlalchemy as sa
 from alembic import context
 from delayq.migrations import include_name_for
@@ -80,9 +83,9 @@ with engine.connect() as conn:
                       include_name=include_name_for(prefix))
     with context.begin_transaction():
         context.run_migrations()
-'''
+"""
 
-APP_REVISION = '''
+APP_REVISION = """
 import sqlalchemy as sa
 from alembic import op
 
@@ -98,13 +101,11 @@ def upgrade():
 
 def downgrade():
     op.drop_table("app_orders")
-'''
+"""
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_delayq_as_a_branch_of_an_applications_alembic(
-    name: str, backend_urls: dict[str, str], tmp_path: Path
-) -> None:
+def test_delayq_as_a_branch_of_an_applications_alembic(name: str, backend_urls: dict[str, str], tmp_path: Path) -> None:
     url = backend_urls[name] if name != "sqlite" else f"sqlite:///{tmp_path / 'app.db'}"
     prefix = "app_dq_"
     (tmp_path / "migrations" / "versions").mkdir(parents=True)
@@ -112,14 +113,16 @@ def test_delayq_as_a_branch_of_an_applications_alembic(
     (tmp_path / "migrations" / "versions" / "app_0001.py").write_text(APP_REVISION)
     (tmp_path / "migrations" / "script.py.mako").write_text((REPO_ROOT / "alembic" / "script.py.mako").read_text())
     # A package-resource path may hold spaces: separate the locations with spaces only if none do.
-    (tmp_path / "alembic.ini").write_text(textwrap.dedent(f"""
+    (tmp_path / "alembic.ini").write_text(
+        textwrap.dedent(f"""
         [alembic]
         script_location = %(here)s/migrations
         path_separator = newline
         version_locations =
             %(here)s/migrations/versions
             {migrations.versions_location()}
-    """))
+    """)
+    )
     x = ["-x", f"url={url}", "-x", f"delayq_prefix={prefix}"]
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     alembic_cli(*x, "downgrade", "base", cwd=tmp_path)
@@ -142,9 +145,7 @@ def test_delayq_as_a_branch_of_an_applications_alembic(
 
 
 @pytest.mark.slow
-def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(
-    backend_urls: dict[str, str], tmp_path: Path
-) -> None:
+def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(backend_urls: dict[str, str], tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -153,8 +154,9 @@ def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(
     for name in BACKENDS:
         url = backend_urls[name] if name != "sqlite" else f"sqlite:///{tmp_path / 'fresh.db'}"
         env = {**os.environ, "DELAYQ_URL": url}
-        done = subprocess.run([delayq_cli, "migrate", "--prefix", "pip_"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [delayq_cli, "migrate", "--prefix", "pip_"], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         try:

@@ -8,13 +8,13 @@ from conftest import START, count_rows
 
 from delayq import DelayedQueue, ManualClock, OfferOutcome
 
-C, U, I = OfferOutcome.CREATED, OfferOutcome.UPDATED, OfferOutcome.IGNORED
+C, U, IG = OfferOutcome.CREATED, OfferOutcome.UPDATED, OfferOutcome.IGNORED
 HOUR = dt.timedelta(hours=1)
 
 
 def test_offer_creates_then_ignores_the_same_key(queue: DelayedQueue) -> None:
     assert queue.offer("welcome-42", {"user": 42}, at=HOUR) is C
-    assert queue.offer("welcome-42", {"user": 43}, at=2 * HOUR) is I
+    assert queue.offer("welcome-42", {"user": 43}, at=2 * HOUR) is IG
     msg = queue.get("welcome-42")
     assert msg is not None
     assert msg.payload == {"user": 42}
@@ -25,7 +25,7 @@ def test_offer_creates_then_ignores_the_same_key(queue: DelayedQueue) -> None:
 def test_update_replaces_and_identical_content_is_ignored(queue: DelayedQueue) -> None:
     at = START + HOUR
     assert queue.offer("k", {"v": 1}, at=at) is C
-    assert queue.offer("k", {"v": 1}, at=at, update=True) is I
+    assert queue.offer("k", {"v": 1}, at=at, update=True) is IG
     assert queue.offer("k", {"v": 2}, at=at, update=True) is U
     assert queue.offer("k", {"v": 2}, at=at + HOUR, update=True) is U
     msg = queue.get("k")
@@ -54,7 +54,7 @@ def test_at_defaults_to_now_and_takes_aware_datetimes_in_any_zone(queue: Delayed
 def test_offer_many_reports_outcomes_in_input_order(queue: DelayedQueue) -> None:
     queue.offer("b", "old")
     outcomes = queue.offer_many([("a", 1, None), ("b", 2, HOUR), ("c", 3, START + HOUR), ("a", 4, None)])
-    assert outcomes == [C, I, C, I]
+    assert outcomes == [C, IG, C, IG]
     assert queue.get("a").payload == 1 and queue.get("b").payload == "old"
     assert queue.get("c").scheduled_at == START + HOUR
 
@@ -62,14 +62,14 @@ def test_offer_many_reports_outcomes_in_input_order(queue: DelayedQueue) -> None
 def test_offer_many_with_update_replaces_existing(queue: DelayedQueue) -> None:
     queue.offer_many([("a", 1, None), ("b", 2, None)])
     outcomes = queue.offer_many([("a", 1, None), ("b", 20, None), ("c", 3, None), ("c", 30, None)], update=True)
-    assert outcomes == [I, U, C, U]
+    assert outcomes == [IG, U, C, U]
     assert [queue.get(k).payload for k in "abc"] == [1, 20, 30]
 
 
 def test_offer_many_large_batch_spans_chunks(queue: DelayedQueue, engine, queue_name: str) -> None:  # type: ignore[no-untyped-def]
     items = [(f"k{i}", {"i": i}, dt.timedelta(seconds=i)) for i in range(1203)]
     assert queue.offer_many(items) == [C] * 1203
-    assert queue.offer_many(items[::2]) == [I] * 602
+    assert queue.offer_many(items[::2]) == [IG] * 602
     assert count_rows(engine, queue_name) == 1203
     assert queue.offer_many([]) == []
 

@@ -25,7 +25,9 @@ def test_due_messages_come_oldest_first_and_ack_deletes(queue: DelayedQueue, clo
     clock.advance(5 * MINUTE)
     batch = queue.try_poll_many(2)
     assert [(d.key, d.payload, d.attempts, d.redelivered) for d in batch] == [
-        ("first", 1, 1, False), ("second", 2, 1, False)]
+        ("first", 1, 1, False),
+        ("second", 2, 1, False),
+    ]
     assert batch[0].scheduled_at == START + MINUTE
     assert batch[0].locked_until == clock.now() + MINUTE
     assert queue.ack_many(batch) == 2

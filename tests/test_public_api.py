@@ -7,10 +7,28 @@ import inspect
 import delayq
 
 EXPECTED = {
-    "BytesSerializer", "Clock", "DeadMessage", "DelayedQueue", "DelayqError", "Delivery", "InvalidInputError",
-    "InvalidKeyError", "InvalidQueueError", "InvalidTimeError", "JsonSerializer", "ManualClock", "Message",
-    "OfferOutcome", "PayloadError", "QueueStats", "SchemaMissingError", "SerializationMismatchError",
-    "Serializer", "TextSerializer", "TransientRetry", "UnsupportedDatabaseError",
+    "BytesSerializer",
+    "Clock",
+    "DeadMessage",
+    "DelayedQueue",
+    "DelayqError",
+    "Delivery",
+    "InvalidInputError",
+    "InvalidKeyError",
+    "InvalidQueueError",
+    "InvalidTimeError",
+    "JsonSerializer",
+    "ManualClock",
+    "Message",
+    "OfferOutcome",
+    "PayloadError",
+    "QueueStats",
+    "SchemaMissingError",
+    "SerializationMismatchError",
+    "Serializer",
+    "TextSerializer",
+    "TransientRetry",
+    "UnsupportedDatabaseError",
 }
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import sqlalchemy as sa
 from conftest import Backend
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
@@ -31,54 +30,65 @@ def sql(name: str, pick: str) -> str:
 
 
 EXPECTED = {
-    ("postgresql", "insert"):
-        "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially, "
-        "created_at, attempts) VALUES (%(queue_name)s::VARCHAR, %(msg_key)s::VARCHAR, %(payload)s, "
-        "%(payload_type)s::VARCHAR, coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), "
-        "coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), <now>, %(attempts)s::INTEGER) "
-        "ON CONFLICT (queue, key) DO NOTHING RETURNING delayq_messages.id",
-    ("mysql", "insert"):
-        "INSERT INTO delayq_messages (queue, `key`, payload, payload_type, scheduled_at, scheduled_at_initially, "
-        "created_at, attempts) VALUES (%s, %s, %s, %s, coalesce(%s, <now> + %s), coalesce(%s, <now> + %s), "
-        "<now>, %s)",
-    ("sqlite", "insert"):
-        'INSERT INTO delayq_messages (queue, "key", payload, payload_type, scheduled_at, scheduled_at_initially, '
-        "created_at, attempts) VALUES (?, ?, ?, ?, coalesce(?, <now> + ?), coalesce(?, <now> + ?), <now>, ?) "
-        'ON CONFLICT (queue, "key") DO NOTHING RETURNING id',
-    ("postgresql", "claim"):
-        "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id, delayq_messages.scheduled_at AS "
-        "scheduled_at FROM delayq_messages WHERE delayq_messages.queue = %(queue_name)s::VARCHAR AND "
-        "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
-        "LIMIT %(limit)s::INTEGER FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> + "
-        "%(visibility)s::BIGINT), lock_token=%(token)s::VARCHAR, attempts=(delayq_messages.attempts + "
-        "%(attempts_1)s::INTEGER) FROM picked WHERE delayq_messages.id = picked.id RETURNING delayq_messages.id, "
-        "delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, picked.scheduled_at, "
-        "delayq_messages.scheduled_at AS scheduled_at_1, delayq_messages.attempts, delayq_messages.created_at, "
-        "delayq_messages.scheduled_at_initially",
-    ("mysql", "claim_candidates"):
-        "SELECT delayq_messages.id, delayq_messages.`key`, delayq_messages.payload, delayq_messages.payload_type, "
-        "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
-        "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
-        "%s AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
-        "LIMIT %s FOR UPDATE SKIP LOCKED",
-    ("mysql", "mark_claimed"):
-        "UPDATE delayq_messages SET scheduled_at=%s, lock_token=%s, attempts=(delayq_messages.attempts + %s) "
-        "WHERE delayq_messages.id IN (__[POSTCOMPILE_ids])",
-    ("sqlite", "claim_candidates"):
-        'SELECT delayq_messages.id, delayq_messages."key", delayq_messages.payload, delayq_messages.payload_type, '
-        "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
-        "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
-        "? AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
-        "LIMIT ? OFFSET ?",
-    ("postgresql", "ack"):
-        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
-        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
-    ("mysql", "ack"):
-        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %s AND "
-        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
-    ("sqlite", "ack"):
-        "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND "
-        "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    (
+        "postgresql",
+        "insert",
+    ): "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially, "
+    "created_at, attempts) VALUES (%(queue_name)s::VARCHAR, %(msg_key)s::VARCHAR, %(payload)s, "
+    "%(payload_type)s::VARCHAR, coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), "
+    "coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), <now>, %(attempts)s::INTEGER) "
+    "ON CONFLICT (queue, key) DO NOTHING RETURNING delayq_messages.id",
+    (
+        "mysql",
+        "insert",
+    ): "INSERT INTO delayq_messages (queue, `key`, payload, payload_type, scheduled_at, scheduled_at_initially, "
+    "created_at, attempts) VALUES (%s, %s, %s, %s, coalesce(%s, <now> + %s), coalesce(%s, <now> + %s), "
+    "<now>, %s)",
+    (
+        "sqlite",
+        "insert",
+    ): 'INSERT INTO delayq_messages (queue, "key", payload, payload_type, scheduled_at, scheduled_at_initially, '
+    "created_at, attempts) VALUES (?, ?, ?, ?, coalesce(?, <now> + ?), coalesce(?, <now> + ?), <now>, ?) "
+    'ON CONFLICT (queue, "key") DO NOTHING RETURNING id',
+    (
+        "postgresql",
+        "claim",
+    ): "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id, delayq_messages.scheduled_at AS "
+    "scheduled_at FROM delayq_messages WHERE delayq_messages.queue = %(queue_name)s::VARCHAR AND "
+    "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+    "LIMIT %(limit)s::INTEGER FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> + "
+    "%(visibility)s::BIGINT), lock_token=%(token)s::VARCHAR, attempts=(delayq_messages.attempts + "
+    "%(attempts_1)s::INTEGER) FROM picked WHERE delayq_messages.id = picked.id RETURNING delayq_messages.id, "
+    "delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, picked.scheduled_at, "
+    "delayq_messages.scheduled_at AS scheduled_at_1, delayq_messages.attempts, delayq_messages.created_at, "
+    "delayq_messages.scheduled_at_initially",
+    (
+        "mysql",
+        "claim_candidates",
+    ): "SELECT delayq_messages.id, delayq_messages.`key`, delayq_messages.payload, delayq_messages.payload_type, "
+    "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
+    "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
+    "%s AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+    "LIMIT %s FOR UPDATE SKIP LOCKED",
+    (
+        "mysql",
+        "mark_claimed",
+    ): "UPDATE delayq_messages SET scheduled_at=%s, lock_token=%s, attempts=(delayq_messages.attempts + %s) "
+    "WHERE delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    (
+        "sqlite",
+        "claim_candidates",
+    ): 'SELECT delayq_messages.id, delayq_messages."key", delayq_messages.payload, delayq_messages.payload_type, '
+    "delayq_messages.scheduled_at, delayq_messages.attempts, delayq_messages.created_at, "
+    "delayq_messages.scheduled_at_initially, <now> AS now FROM delayq_messages WHERE delayq_messages.queue = "
+    "? AND delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+    "LIMIT ? OFFSET ?",
+    ("postgresql", "ack"): "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
+    "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    ("mysql", "ack"): "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %s AND "
+    "delayq_messages.id IN (__[POSTCOMPILE_ids])",
+    ("sqlite", "ack"): "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND "
+    "delayq_messages.id IN (__[POSTCOMPILE_ids])",
 }
 
 
@@ -96,7 +106,8 @@ def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backen
             "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at,"
             " scheduled_at_initially, created_at)"
             " SELECT 'explain-' || mod(g, 10), 'k' || g, '\\x00', 'json', g, g, 0"
-            " FROM generate_series(1, 100000) AS g")
+            " FROM generate_series(1, 100000) AS g"
+        )
         conn.exec_driver_sql("ANALYZE delayq_messages")
         compiled = _claim_statement(stmts).compile(dialect=conn.dialect)
         params = compiled.construct_params({"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1})

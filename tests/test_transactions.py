@@ -37,14 +37,13 @@ def orders(engine: sa.Engine) -> Iterator[None]:
 def test_offer_in_an_orm_session_commits_or_rolls_back_with_the_business_data(
     queue: DelayedQueue, engine: sa.Engine, queue_name: str, orders: None, commit: bool
 ) -> None:
-    with Session(engine) as session:
-        with session.begin():
-            session.add(Order(id=1, item="book"))
-            session.flush()
-            assert queue.offer("order-1", {"order": 1}, using=session) is OfferOutcome.CREATED
-            assert session.in_transaction()
-            if not commit:
-                session.rollback()
+    with Session(engine) as session, session.begin():
+        session.add(Order(id=1, item="book"))
+        session.flush()
+        assert queue.offer("order-1", {"order": 1}, using=session) is OfferOutcome.CREATED
+        assert session.in_transaction()
+        if not commit:
+            session.rollback()
     assert count_rows(engine, queue_name) == (1 if commit else 0)
     with Session(engine) as session:
         assert (session.get(Order, 1) is not None) == commit
@@ -115,7 +114,9 @@ class _OnRetry(logging.Handler):
 
 
 def test_delayqs_own_transaction_is_retried_after_a_lock_timeout(
-    backend: Backend, make_queue, queue_name: str  # type: ignore[no-untyped-def]
+    backend: Backend,
+    make_queue,
+    queue_name: str,  # type: ignore[no-untyped-def]
 ) -> None:
     queue = make_queue()
     queue.offer("k", 1)
@@ -144,7 +145,8 @@ def test_delayqs_own_transaction_is_retried_after_a_lock_timeout(
 
 
 def test_a_callers_transaction_gets_the_transient_error_unretried(
-    backend: Backend, make_queue  # type: ignore[no-untyped-def]
+    backend: Backend,
+    make_queue,  # type: ignore[no-untyped-def]
 ) -> None:
     queue = make_queue()
     queue.offer("k", 1)

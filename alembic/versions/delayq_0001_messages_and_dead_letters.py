@@ -8,8 +8,8 @@ Create Date: 2026-11-22
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
 
+from alembic import op
 from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
 from delayq.migrations import migration_options
 

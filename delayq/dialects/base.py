@@ -74,8 +74,9 @@ class Statements:
             m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True))
         )
         self.lock_for_update = (
-            sa.select(m.c.id, m.c.payload, m.c.payload_type, m.c.scheduled_at_initially, m.c.created_at,
-                      now.label("now"))
+            sa.select(
+                m.c.id, m.c.payload, m.c.payload_type, m.c.scheduled_at_initially, m.c.created_at, now.label("now")
+            )
             .where(by_key)
             .with_for_update()
         )
@@ -98,8 +99,17 @@ class Statements:
             )
         )
         self.claim_candidates = (
-            sa.select(m.c.id, m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at,
-                      m.c.attempts, m.c.created_at, m.c.scheduled_at_initially, now.label("now"))
+            sa.select(
+                m.c.id,
+                m.c.key,
+                m.c.payload,
+                m.c.payload_type,
+                m.c.scheduled_at,
+                m.c.attempts,
+                m.c.created_at,
+                m.c.scheduled_at_initially,
+                now.label("now"),
+            )
             .where(m.c.queue == queue, m.c.scheduled_at <= now)
             .order_by(m.c.scheduled_at, m.c.id)
             .limit(_bp("limit", sa.Integer))
@@ -108,8 +118,7 @@ class Statements:
         self.mark_claimed = (
             sa.update(m)
             .where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
-            .values(lock_token=_bp("token", sa.String), scheduled_at=_bp("locked_until"),
-                    attempts=m.c.attempts + 1)
+            .values(lock_token=_bp("token", sa.String), scheduled_at=_bp("locked_until"), attempts=m.c.attempts + 1)
         )
         self.ack = sa.delete(m).where(
             m.c.lock_token == _bp("token", sa.String), m.c.id.in_(sa.bindparam("ids", expanding=True))
@@ -121,22 +130,35 @@ class Statements:
         )
         self.extend = sa.update(m).where(held).values(scheduled_at=now + _bp("by"))
         self.select_held = (
-            sa.select(m.c.queue, m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at_initially,
-                      m.c.created_at, m.c.attempts, now.label("now"))
+            sa.select(
+                m.c.queue,
+                m.c.key,
+                m.c.payload,
+                m.c.payload_type,
+                m.c.scheduled_at_initially,
+                m.c.created_at,
+                m.c.attempts,
+                now.label("now"),
+            )
             .where(held)
             .with_for_update()
         )
         self.insert_dead = sa.insert(dead)
         self.delete_held = sa.delete(m).where(held)
         self.get = sa.select(
-            m.c.key, m.c.payload, m.c.payload_type, m.c.scheduled_at, m.c.scheduled_at_initially,
-            m.c.created_at, m.c.attempts, m.c.last_error, m.c.lock_token,
+            m.c.key,
+            m.c.payload,
+            m.c.payload_type,
+            m.c.scheduled_at,
+            m.c.scheduled_at_initially,
+            m.c.created_at,
+            m.c.attempts,
+            m.c.last_error,
+            m.c.lock_token,
         ).where(by_key)
         self.cancel = sa.delete(m).where(by_key)
         self.reschedule = (
-            sa.update(m)
-            .where(by_key)
-            .values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
+            sa.update(m).where(by_key).values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
         )
         due_now = m.c.scheduled_at <= now
         locked = m.c.lock_token.is_not(None)
@@ -144,9 +166,7 @@ class Statements:
         def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
             return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
 
-        dead_count = (
-            sa.select(sa.func.count()).select_from(dead).where(dead.c.queue == queue).scalar_subquery()
-        )
+        dead_count = sa.select(sa.func.count()).select_from(dead).where(dead.c.queue == queue).scalar_subquery()
         self.stats = sa.select(
             count(sa.and_(due_now, ~locked)).label("ready"),
             count(sa.and_(~due_now, ~locked)).label("scheduled"),
@@ -156,8 +176,17 @@ class Statements:
             sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
             now.label("now"),
         ).where(m.c.queue == queue)
-        dead_cols = (dead.c.id, dead.c.key, dead.c.payload, dead.c.payload_type, dead.c.scheduled_at_initially,
-                     dead.c.created_at, dead.c.attempts, dead.c.last_error, dead.c.failed_at)
+        dead_cols = (
+            dead.c.id,
+            dead.c.key,
+            dead.c.payload,
+            dead.c.payload_type,
+            dead.c.scheduled_at_initially,
+            dead.c.created_at,
+            dead.c.attempts,
+            dead.c.last_error,
+            dead.c.failed_at,
+        )
         self.dead_letters = (
             sa.select(*dead_cols)
             .where(dead.c.queue == queue, dead.c.id > _bp("after_id"))
@@ -248,7 +277,16 @@ class Dialect:
             {"ids": [r.id for r in rows], "token": params["token"], "locked_until": locked_until},
         )
         return [
-            ClaimedRow(r.id, r.key, r.payload, r.payload_type, r.scheduled_at, locked_until,
-                       r.attempts + 1, r.created_at, r.scheduled_at_initially)
+            ClaimedRow(
+                r.id,
+                r.key,
+                r.payload,
+                r.payload_type,
+                r.scheduled_at,
+                locked_until,
+                r.attempts + 1,
+                r.created_at,
+                r.scheduled_at_initially,
+            )
             for r in rows
         ]

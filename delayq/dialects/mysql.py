@@ -49,8 +49,9 @@ class MySQLDialect(Dialect):
 
     def check_server(self, conn: Connection) -> None:
         info = conn.dialect.server_version_info or ()
-        check_version(tuple(int(v) for v in info if isinstance(v, int)),
-                      bool(getattr(conn.dialect, "is_mariadb", False)))
+        check_version(
+            tuple(int(v) for v in info if isinstance(v, int)), bool(getattr(conn.dialect, "is_mariadb", False))
+        )
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # UTC_TIMESTAMP is fixed for the statement and free of the session's time zone.
@@ -91,8 +92,9 @@ class MySQLDialect(Dialect):
     ) -> set[str]:
         # Find the existing keys first, insert the rest in one multi-row statement; a producer
         # that raced in between makes it fall back to one row at a time (seed 001's offerBatch).
-        existing = set(conn.execute(stmts.existing_keys, {"queue_name": queue, "keys": [r["key"] for r in rows]})
-                       .scalars())
+        existing = set(
+            conn.execute(stmts.existing_keys, {"queue_name": queue, "keys": [r["key"] for r in rows]}).scalars()
+        )
         fresh = [r for r in rows if r["key"] not in existing]
         if not fresh:
             return set()

@@ -78,7 +78,14 @@ def _claim_statement(stmts: Statements) -> sa.Update:
             attempts=m.c.attempts + 1,
         )
         .returning(
-            m.c.id, m.c.key, m.c.payload, m.c.payload_type, picked.c.scheduled_at, m.c.scheduled_at,
-            m.c.attempts, m.c.created_at, m.c.scheduled_at_initially,
+            m.c.id,
+            m.c.key,
+            m.c.payload,
+            m.c.payload_type,
+            picked.c.scheduled_at,
+            m.c.scheduled_at,
+            m.c.attempts,
+            m.c.created_at,
+            m.c.scheduled_at_initially,
         )
     )

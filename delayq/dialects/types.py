@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
@@ -19,4 +21,4 @@ def name_type(length: int) -> sa.types.TypeEngine[str]:
     )
 
 
-TABLE_OPTIONS: dict[str, str] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
