@@ -45,3 +45,20 @@ def test_every_public_name_and_method_has_a_docstring() -> None:
     for name, member in inspect.getmembers(delayq.DelayedQueue, inspect.isfunction):
         if not name.startswith("_"):
             assert member.__doc__, f"DelayedQueue.{name}"
+
+
+def test_the_readme_states_the_minimum_versions_the_dialects_enforce() -> None:
+    from conftest import REPO_ROOT
+
+    from delayq.dialects.mysql import MARIADB_MIN, MYSQL_MIN
+    from delayq.dialects.postgresql import PostgresDialect
+    from delayq.dialects.sqlite import SQLiteDialect
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    for product, version in [
+        ("PostgreSQL", PostgresDialect.min_version),
+        ("MariaDB", MARIADB_MIN),
+        ("MySQL", MYSQL_MIN),
+        ("SQLite", SQLiteDialect.min_version),
+    ]:
+        assert f"{product} {'.'.join(map(str, version))} or newer" in readme, product

@@ -199,6 +199,8 @@ class Dialect:
     """A backend as delayq sees it. Subclasses override what differs; see each override's note."""
 
     name: ClassVar[str] = "base"
+    #: The oldest server version delayq runs on.
+    min_version: ClassVar[tuple[int, ...]] = ()
     #: Whether an insert that skips duplicates can return the rows it created (RETURNING).
     insert_returns_created: ClassVar[bool] = True
 

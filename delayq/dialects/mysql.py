@@ -23,8 +23,8 @@ from delayq.errors import UnsupportedDatabaseError
 _TRANSIENT = {1205, 1213, 2006, 2013, 2003, 1927, 4031}
 _MISSING_TABLE = 1146
 _DUPLICATE_KEY = 1062
-_MYSQL_MIN = (8, 0, 1)
-_MARIADB_MIN = (10, 6)
+MYSQL_MIN = (8, 0, 1)
+MARIADB_MIN = (10, 6)
 
 
 def _code(exc: DBAPIError) -> int | None:
@@ -34,7 +34,7 @@ def _code(exc: DBAPIError) -> int | None:
 
 def check_version(version: tuple[int, ...], mariadb: bool) -> None:
     """Raise ``UnsupportedDatabaseError`` for a server without SKIP LOCKED."""
-    minimum, product = (_MARIADB_MIN, "MariaDB") if mariadb else (_MYSQL_MIN, "MySQL")
+    minimum, product = (MARIADB_MIN, "MariaDB") if mariadb else (MYSQL_MIN, "MySQL")
     if tuple(version[: len(minimum)]) < minimum:
         shown = ".".join(map(str, version))
         needed = ".".join(map(str, minimum))
@@ -45,6 +45,7 @@ def check_version(version: tuple[int, ...], mariadb: bool) -> None:
 
 class MySQLDialect(Dialect):
     name: ClassVar[str] = "mysql"
+    min_version: ClassVar[tuple[int, ...]] = MYSQL_MIN  # and MariaDB 10.6: SKIP LOCKED
     insert_returns_created: ClassVar[bool] = False
 
     def check_server(self, conn: Connection) -> None:

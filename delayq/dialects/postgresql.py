@@ -12,6 +12,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.dialects.base import ClaimedRow, Dialect, Statements
+from delayq.errors import UnsupportedDatabaseError
 
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
 # cannot_connect_now, and the connection_exception class.
@@ -25,6 +26,14 @@ def _sqlstate(exc: DBAPIError) -> str:
 
 class PostgresDialect(Dialect):
     name: ClassVar[str] = "postgresql"
+    min_version: ClassVar[tuple[int, ...]] = (12,)  # WITH ... AS MATERIALIZED
+
+    def check_server(self, conn: Connection) -> None:
+        version = tuple(v for v in (conn.dialect.server_version_info or ()) if isinstance(v, int))
+        if version < self.min_version:
+            raise UnsupportedDatabaseError(
+                f"PostgreSQL {'.'.join(map(str, version))} is too old; delayq needs PostgreSQL 12 or newer"
+            )
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # statement_timestamp(): one value per statement, unlike clock_timestamp(), and fresh

@@ -6,6 +6,7 @@ that reads and then writes fails with "database is locked" at once, whatever the
 
 from __future__ import annotations
 
+import sqlite3
 from typing import ClassVar
 
 import sqlalchemy as sa
@@ -14,6 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.dialects.base import Dialect
+from delayq.errors import UnsupportedDatabaseError
 
 _BUSY, _LOCKED = 5, 6
 _CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY = 2067, 1555
@@ -26,6 +28,13 @@ def _errorcode(exc: DBAPIError) -> int:
 
 class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
+    min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
+
+    def check_server(self, conn: Connection) -> None:
+        if sqlite3.sqlite_version_info < self.min_version:
+            raise UnsupportedDatabaseError(
+                f"SQLite {sqlite3.sqlite_version} is too old; delayq needs SQLite 3.35 or newer (RETURNING)"
+            )
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # julianday('now') is fixed for one statement and has millisecond precision.
