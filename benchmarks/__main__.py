@@ -1,0 +1,361 @@
+"""delayq beside the raw-SQL ceiling of each backend, measured in the same run.
+
+    python -m benchmarks                       # all backends, full sizes, median of 3 runs
+    python -m benchmarks --quick               # small sizes, one run (CI runs this)
+    python -m benchmarks --backends postgresql --json results.json
+
+Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local services by default);
+SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
+consume run checks that each message was delivered exactly once and the queue ended empty;
+a benchmark that loses or duplicates a message fails instead of printing a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from benchmarks import ceiling
+from delayq import DelayedQueue, migrations
+
+PREFIX = "bench_"
+TABLE = f"{PREFIX}messages"
+URLS = {
+    "postgresql": os.environ.get("DELAYQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    "mysql": os.environ.get("DELAYQ_TEST_MYSQL_URL", "mysql+mysqldb://root@127.0.0.1:3306/test"),
+}
+PAYLOAD = b'{"n":1}'
+FAR_FUTURE = 4102444800000  # 2100-01-01 in epoch ms
+
+
+@dataclass
+class Sizes:
+    single: int = 2000
+    batch: int = 20000
+    consume_single: int = 2000
+    consume_batch: int = 20000
+    future_rows: int = 1_000_000
+    repeat: int = 3
+
+
+QUICK = Sizes(single=200, batch=2000, consume_single=200, consume_batch=2000, future_rows=10_000, repeat=1)
+
+
+@dataclass
+class Figure:
+    backend: str
+    scenario: str
+    delayq: float  # messages per second
+    ceiling: float | None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    runs: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.ceiling else self.delayq / self.ceiling
+
+
+class LostMessages(AssertionError):
+    pass
+
+
+def make_engine(backend: str, tmp: Path) -> sa.Engine:
+    if backend == "sqlite":
+        engine = sa.create_engine(f"sqlite:///{tmp / 'bench.db'}", connect_args={"timeout": 30})
+
+        @sa.event.listens_for(engine, "connect")
+        def _wal(dbapi_conn: object, _: object) -> None:
+            dbapi_conn.execute("PRAGMA journal_mode=WAL")  # type: ignore[attr-defined]
+
+        return engine
+    return sa.create_engine(URLS[backend], pool_size=10)
+
+
+def clear(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {TABLE}")
+
+
+def count(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.exec_driver_sql(f"SELECT count(*) FROM {TABLE} WHERE queue = 'bench'").scalar_one())
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2] * 1000, ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000
+
+
+def run_threads(n: int, work: Callable[[int], None]) -> float:
+    barrier = threading.Barrier(n + 1)
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        barrier.wait()
+        try:
+            work(i)
+        except BaseException as exc:  # reported after join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+# -- offers ---------------------------------------------------------------------------------------
+def offer_single(engine: sa.Engine, q: DelayedQueue, n: int) -> tuple[float, float, list[float]]:
+    clear(engine)
+    lat: list[float] = []
+    start = time.perf_counter()
+    for i in range(n):
+        t0 = time.perf_counter()
+        q.offer(f"s{i}", {"n": i})
+        lat.append(time.perf_counter() - t0)
+    ours = n / (time.perf_counter() - start)
+    assert count(engine) == n
+    clear(engine)
+    raw = ceiling.connect(engine, autocommit=True)
+    offer = ceiling.offer_one(engine.dialect.name, TABLE)
+    start = time.perf_counter()
+    for i in range(n):
+        offer(raw, f"s{i}", PAYLOAD)
+    theirs = n / (time.perf_counter() - start)
+    raw.close()
+    assert count(engine) == n
+    return ours, theirs, lat
+
+
+def offer_batches(engine: sa.Engine, q: DelayedQueue, n: int, size: int = 500) -> tuple[float, float, list[float]]:
+    clear(engine)
+    lat: list[float] = []
+    start = time.perf_counter()
+    for b in range(0, n, size):
+        t0 = time.perf_counter()
+        q.offer_many([(f"b{i}", {"n": i}, None) for i in range(b, min(n, b + size))])
+        lat.append(time.perf_counter() - t0)
+    ours = n / (time.perf_counter() - start)
+    assert count(engine) == n
+    clear(engine)
+    raw = ceiling.connect(engine, autocommit=True)
+    offer = ceiling.offer_batch(engine.dialect.name, TABLE)
+    now = int(time.time() * 1000)
+    start = time.perf_counter()
+    for b in range(0, n, size):
+        offer(raw, [(f"b{i}", PAYLOAD) for i in range(b, min(n, b + size))], now)
+    theirs = n / (time.perf_counter() - start)
+    raw.close()
+    assert count(engine) == n
+    return ours, theirs, lat
+
+
+# -- consumers ------------------------------------------------------------------------------------
+def fill(q: DelayedQueue, n: int) -> set[str]:
+    keys = [f"c{i}" for i in range(n)]
+    for b in range(0, n, 1000):
+        q.offer_many([(k, {"k": k}, None) for k in keys[b : b + 1000]])
+    return set(keys)
+
+
+def check_exactly_once(engine: sa.Engine, expected: set[str], delivered: Counter[str], what: str) -> None:
+    if set(delivered) != expected or (delivered and max(delivered.values()) != 1) or count(engine) != 0:
+        missing = len(expected - set(delivered))
+        twice = sum(1 for v in delivered.values() if v > 1)
+        raise LostMessages(f"{what}: {missing} not delivered, {twice} delivered twice, {count(engine)} left")
+
+
+def consume(engine: sa.Engine, q: DelayedQueue, n: int, batch: int, consumers: int) -> tuple[float, float]:
+    clear(engine)
+    expected = fill(q, n)
+    delivered: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def ours(_: int) -> None:
+        while True:
+            got = q.try_poll_many(batch)
+            if not got:
+                return
+            q.ack_many(got)
+            with lock:
+                delivered.update(d.key for d in got)
+
+    ours_rate = n / run_threads(consumers, ours)
+    check_exactly_once(engine, expected, delivered, "delayq")
+
+    expected = fill(q, n)
+    delivered = Counter()
+    claim = ceiling.claim_and_ack(engine.dialect.name, TABLE)
+    raws = [ceiling.connect(engine, autocommit=engine.dialect.name == "postgresql") for _ in range(consumers)]
+
+    def theirs(i: int) -> None:
+        while True:
+            keys = claim(raws[i], batch)
+            if not keys:
+                return
+            with lock:
+                delivered.update(keys)
+
+    their_rate = n / run_threads(consumers, theirs)
+    for raw in raws:
+        raw.close()
+    check_exactly_once(engine, expected, delivered, "ceiling")
+    return ours_rate, their_rate
+
+
+def add_future_rows(engine: sa.Engine, n: int) -> None:
+    """n messages in the same queue, due in ten years (generated by the database itself)."""
+    with engine.begin() as conn:
+        due = FAR_FUTURE
+        name = engine.dialect.name
+        if name == "postgresql":
+            conn.exec_driver_sql(
+                f"INSERT INTO {TABLE} (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially,"
+                f" created_at) SELECT 'bench', 'future-' || g, '\\x00', 'json', {due}, {due}, 0"
+                f" FROM generate_series(1, {n}) AS g"
+            )
+        else:
+            key = "`key`" if name == "mysql" else "key"
+            concat = "CONCAT('future-', g)" if name == "mysql" else "'future-' || g"
+            if name == "mysql":
+                limit = "max_recursive_iterations" if engine.dialect.is_mariadb else "cte_max_recursion_depth"
+                conn.exec_driver_sql(f"SET SESSION {limit} = {n + 1}")
+            conn.exec_driver_sql(
+                f"INSERT INTO {TABLE} (queue, {key}, payload, payload_type, scheduled_at, scheduled_at_initially,"
+                f" created_at) WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < {n})"
+                f" SELECT 'bench', {concat}, x'00', 'json', {due}, {due}, 0 FROM s"
+            )
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(f"ANALYZE {TABLE}")
+
+
+def scale(engine: sa.Engine, q: DelayedQueue, sizes: Sizes) -> tuple[float, float, float, float]:
+    """Claim (batches of 100) and single-offer rates, empty table vs. with future_rows far-future rows."""
+
+    def claim_rate() -> float:
+        n = sizes.consume_batch
+        expected = fill(q, n)
+        delivered: Counter[str] = Counter()
+
+        def work(_: int) -> None:
+            while got := q.try_poll_many(100):
+                q.ack_many(got)
+                delivered.update(d.key for d in got)
+
+        rate = n / run_threads(1, work)
+        if set(delivered) != expected or max(delivered.values()) != 1:
+            raise LostMessages("scale claim")
+        return rate
+
+    def offer_rate(tag: str) -> float:
+        n = sizes.single
+        start = time.perf_counter()
+        for i in range(n):
+            q.offer(f"{tag}{i}", {"n": i})
+        rate = n / (time.perf_counter() - start)
+        with engine.begin() as conn:  # the offered rows, not the far-future ones
+            conn.exec_driver_sql(f"DELETE FROM {TABLE} WHERE scheduled_at < {FAR_FUTURE}")
+        return rate
+
+    clear(engine)
+    empty_claim, empty_offer = claim_rate(), offer_rate("e")
+    add_future_rows(engine, sizes.future_rows)
+    full_claim, full_offer = claim_rate(), offer_rate("f")
+    clear(engine)
+    return empty_claim, full_claim, empty_offer, full_offer
+
+
+# -- the run --------------------------------------------------------------------------------------
+def median_figure(backend: str, scenario: str, runs: list[tuple[float, float | None, list[float]]]) -> Figure:
+    ours = [r[0] for r in runs]
+    theirs = [r[1] for r in runs if r[1] is not None]
+    lat = [x for r in runs for x in r[2]]
+    p50, p99 = percentiles(lat) if lat else (None, None)
+    return Figure(
+        backend, scenario, statistics.median(ours), statistics.median(theirs) if theirs else None, p50, p99, ours
+    )
+
+
+def bench_backend(backend: str, sizes: Sizes, tmp: Path) -> list[Figure]:
+    engine = make_engine(backend, tmp)
+    migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=PREFIX)
+    q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
+    figures: list[Figure] = []
+
+    def measure(scenario: str, fn: Callable[[], tuple[float, float | None, list[float]]]) -> None:
+        figure = median_figure(backend, scenario, [fn() for _ in range(sizes.repeat)])
+        figures.append(figure)
+        print_row(figure)
+
+    measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
+    measure("offer_many (500 per call)", lambda: offer_batches(engine, q, sizes.batch))
+    for consumers in (1, 4):
+        measure(
+            f"try_poll + ack, {consumers} consumer(s)",
+            lambda c=consumers: (*consume(engine, q, sizes.consume_single, 1, c), []),
+        )
+        measure(
+            f"try_poll_many(100) + ack_many, {consumers} consumer(s)",
+            lambda c=consumers: (*consume(engine, q, sizes.consume_batch, 100, c), []),
+        )
+    runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)]
+    for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3)):
+        empty = statistics.median(r[i_empty] for r in runs)
+        full = statistics.median(r[i_full] for r in runs)
+        figure = Figure(backend, f"scale: {label} with {sizes.future_rows:,} future rows vs empty", full, empty)
+        figures.append(figure)
+        print_row(figure, ceiling_label="empty")
+    engine.dispose()
+    return figures
+
+
+def print_row(f: Figure, ceiling_label: str = "ceiling") -> None:
+    ratio = f"{f.ratio:5.2f}" if f.ratio is not None else "    -"
+    theirs = f"{f.ceiling:9.0f}" if f.ceiling is not None else "        -"
+    lat = f"  p50 {f.p50_ms:6.2f} ms  p99 {f.p99_ms:6.2f} ms" if f.p50_ms is not None else ""
+    print(
+        f"{f.backend:<10} {f.scenario:<58} {f.delayq:9.0f}/s  {ceiling_label} {theirs}/s  ratio {ratio}{lat}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="sqlite,postgresql,mysql", help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one run (what CI runs)")
+    parser.add_argument("--repeat", type=int, help="runs per figure (the median is reported)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    if args.repeat:
+        sizes.repeat = args.repeat
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends.split(","):
+            figures += bench_backend(backend.strip(), sizes, Path(tmp))
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(f), "ratio": f.ratio} for f in figures], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The raw-SQL ceiling: the statements delayq issues, sent straight through the driver.
+
+Each function does the same work as its delayq counterpart with the fewest round trips the
+backend allows (autocommit for single statements, one multi-row statement per batch), on a
+DBAPI connection of its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+Raw = Any  # a DBAPI connection: psycopg, MySQLdb or sqlite3
+
+NOW_MS = {
+    "postgresql": "CAST(floor(EXTRACT(epoch FROM statement_timestamp()) * 1000) AS BIGINT)",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
+    "sqlite": "CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS BIGINT)",
+}
+
+
+def connect(engine: sa.Engine, autocommit: bool) -> Raw:
+    """A driver connection of its own, outside SQLAlchemy's pool."""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    raw = engine.dialect.loaded_dbapi.connect(*cargs, **cparams)
+    name = engine.dialect.name
+    if name == "postgresql":
+        raw.autocommit = autocommit
+    elif name in ("mysql", "mariadb"):
+        raw.autocommit(autocommit)
+        raw.cursor().execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    else:
+        raw.isolation_level = None  # we send BEGIN ourselves
+        raw.execute("PRAGMA busy_timeout = 30000")
+    return raw
+
+
+def _ph(name: str) -> str:
+    return "?" if name == "sqlite" else "%s"
+
+
+def offer_one(name: str, table: str) -> Callable[[Raw, str, bytes], None]:
+    p, now = _ph(name), NOW_MS[name]
+    conflict = "" if name == "mysql" else " ON CONFLICT (queue, key) DO NOTHING"
+    sql = (
+        f"INSERT INTO {table} (queue, {_key(name)}, payload, payload_type, scheduled_at, scheduled_at_initially,"
+        f" created_at, attempts) VALUES ({p}, {p}, {p}, 'json', {now}, {now}, {now}, 0){conflict}"
+    )
+
+    def run(raw: Raw, key: str, payload: bytes) -> None:
+        raw.cursor().execute(sql, ("bench", key, payload))
+
+    return run
+
+
+def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, bytes]], int], None]:
+    p = _ph(name)
+    conflict = "" if name == "mysql" else " ON CONFLICT (queue, key) DO NOTHING"
+    row = f"('bench', {p}, {p}, 'json', {p}, {p}, {p}, 0)"
+    head = (
+        f"INSERT INTO {table} (queue, {_key(name)}, payload, payload_type, scheduled_at,"
+        f" scheduled_at_initially, created_at, attempts) VALUES "
+    )
+
+    def run(raw: Raw, items: Sequence[tuple[str, bytes]], now: int) -> None:
+        sql = head + ", ".join([row] * len(items)) + conflict
+        params = [v for key, payload in items for v in (key, payload, now, now, now)]
+        cur = raw.cursor()
+        if name == "sqlite":
+            cur.execute("BEGIN IMMEDIATE")
+            cur.execute(sql, params)
+            cur.execute("COMMIT")
+        else:
+            cur.execute(sql, params)
+
+    return run
+
+
+def claim_and_ack(name: str, table: str) -> Callable[[Raw, int], list[str]]:
+    """Claim up to n due messages and ack them; returns their keys."""
+    p, now, key = _ph(name), NOW_MS[name], _key(name)
+    if name == "postgresql":
+        claim = (
+            f"WITH picked AS MATERIALIZED (SELECT id FROM {table} WHERE queue = 'bench' AND scheduled_at <= {now}"
+            f" ORDER BY scheduled_at, id LIMIT %s FOR UPDATE SKIP LOCKED) UPDATE {table} SET"
+            f" scheduled_at = {now} + 300000, lock_token = %s, attempts = {table}.attempts + 1 FROM picked"
+            f" WHERE {table}.id = picked.id RETURNING {table}.id, {table}.key, {table}.payload"
+        )
+
+        def run_pg(raw: Raw, n: int) -> list[str]:
+            token = str(uuid.uuid4())
+            cur = raw.cursor()
+            rows = cur.execute(claim, (n, token)).fetchall()
+            if rows:
+                cur.execute(f"DELETE FROM {table} WHERE lock_token = %s", (token,))
+            return [r[1] for r in rows]
+
+        return run_pg
+
+    select = (
+        f"SELECT id, {key}, payload, {now} FROM {table} WHERE queue = 'bench' AND scheduled_at <= {now}"
+        f" ORDER BY scheduled_at, id LIMIT {p}" + (" FOR UPDATE SKIP LOCKED" if name == "mysql" else "")
+    )
+
+    def run(raw: Raw, n: int) -> list[str]:
+        token = str(uuid.uuid4())
+        cur = raw.cursor()
+        if name == "sqlite":
+            cur.execute("BEGIN IMMEDIATE")
+        cur.execute(select, (n,))
+        rows = cur.fetchall()
+        if rows:
+            marks = ", ".join([p] * len(rows))
+            cur.execute(
+                f"UPDATE {table} SET scheduled_at = {p}, lock_token = {p}, attempts = attempts + 1"
+                f" WHERE id IN ({marks})",
+                (rows[0][3] + 300000, token, *[r[0] for r in rows]),
+            )
+        raw.commit() if name == "mysql" else cur.execute("COMMIT")
+        if rows:
+            cur.execute(f"DELETE FROM {table} WHERE lock_token = {p}", (token,))
+            if name == "mysql":
+                raw.commit()
+        return [r[1] for r in rows]
+
+    return run
+
+
+def _key(name: str) -> str:
+    return "`key`" if name == "mysql" else "key"
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
