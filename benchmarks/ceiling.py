@@ -66,6 +66,20 @@ def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, byt
         f" scheduled_at_initially, created_at, attempts) VALUES "
     )
 
+    if name == "postgresql":  # the statement delayq sends: one array per column
+        unnest = (
+            f"INSERT INTO {table} (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially,"
+            " created_at) SELECT * FROM unnest(%s::varchar[], %s::varchar[], %s::bytea[], %s::varchar[],"
+            f" %s::bigint[], %s::bigint[], %s::bigint[]){conflict} RETURNING key"
+        )
+
+        def run_pg(raw: Raw, items: Sequence[tuple[str, bytes]], now: int) -> None:
+            n = len(items)
+            keys, payloads = [k for k, _ in items], [p for _, p in items]
+            raw.cursor().execute(unnest, (["bench"] * n, keys, payloads, ["json"] * n, [now] * n, [now] * n, [now] * n))
+
+        return run_pg
+
     def run(raw: Raw, items: Sequence[tuple[str, bytes]], now: int) -> None:
         sql = head + ", ".join([row] * len(items)) + conflict
         params = [v for key, payload in items for v in (key, payload, now, now, now)]

@@ -141,13 +141,33 @@ class DelayedQueue:
             raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
         token = str(uuid.uuid4())
 
+        unreadable: list[ClaimedRow] = []
+
         def op(conn: Connection, dialect: Dialect) -> list[Delivery]:
             params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
             rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
-            # Decoded inside the transaction: a row this queue cannot read rolls the claim back.
-            return [self._delivery(row, token) for row in rows]
+            try:
+                return [self._delivery(row, token) for row in rows]
+            except SerializationMismatchError:
+                unreadable[:] = rows  # a claim in a transaction rolls back; a one-statement claim is undone below
+                raise
 
-        return self._runner.run(using, op, "transaction")
+        try:
+            return self._runner.run(using, op, self._runner.dialect.claim_mode)
+        except SerializationMismatchError:
+            self._unclaim(unreadable, token, using)
+            raise
+
+    def _unclaim(self, rows: list[ClaimedRow], token: str, using: Using) -> None:
+        """Put claimed rows back as they were (due, unlocked, the attempt not counted)."""
+        params = [{"msg_id": r.id, "token": token, "due": r.due_at} for r in rows]
+        if not params:
+            return
+
+        def op(conn: Connection, dialect: Dialect) -> None:
+            conn.execute(self._statements(dialect).unclaim, params)
+
+        self._runner.run(using, op, "transaction")
 
     def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many."""

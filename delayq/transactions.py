@@ -14,13 +14,13 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from delayq.dialects import Dialect, dialect_for
+from delayq.dialects import Dialect, Mode, dialect_for
 from delayq.errors import SchemaMissingError
 from delayq.schema import Tables
 
@@ -28,7 +28,6 @@ log = logging.getLogger("delayq")
 T = TypeVar("T")
 Using = Engine | Connection | Session | None
 Operation = Callable[[Connection, Dialect], T]
-Mode = Literal["read", "statement", "transaction"]
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,7 @@ class Runner:
             try:
                 with engine.connect() as conn:
                     self.dialect.verify(conn)
-                    if mode != "read":
-                        self.dialect.begin_owned(conn, several_statements=mode == "transaction")
+                    self.dialect.start_owned(conn, mode)
                     result = operation(conn, self.dialect)
                     conn.commit()
                     return result

@@ -7,13 +7,13 @@ import weakref
 
 from sqlalchemy.engine import Engine
 
-from delayq.dialects.base import ClaimedRow, Dialect, Statements
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, Statements
 from delayq.dialects.mysql import MySQLDialect
 from delayq.dialects.postgresql import PostgresDialect
 from delayq.dialects.sqlite import SQLiteDialect
 from delayq.errors import UnsupportedDatabaseError
 
-__all__ = ["ClaimedRow", "Dialect", "Statements", "dialect_for"]
+__all__ = ["ClaimedRow", "Dialect", "Mode", "Statements", "dialect_class", "dialect_for"]
 
 _REGISTRY: dict[str, type[Dialect]] = {
     "postgresql": PostgresDialect,

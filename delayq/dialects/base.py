@@ -11,13 +11,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.schema import Tables
+
+
+Mode = Literal["read", "statement", "transaction"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,9 @@ class Statements:
             sa.update(m)
             .where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
             .values(lock_token=_bp("token", sa.String), scheduled_at=_bp("locked_until"), attempts=m.c.attempts + 1)
+        )
+        self.unclaim = (
+            sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
         self.ack = sa.delete(m).where(
             m.c.lock_token == _bp("token", sa.String), m.c.id.in_(sa.bindparam("ids", expanding=True))
@@ -230,9 +236,14 @@ class Dialect:
         return Statements(self, tables, now)
 
     # -- transactions ---------------------------------------------------------------------------
-    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
-        """Start a library-owned write transaction on a fresh connection."""
-        conn.begin()
+    #: Whether the claim is one statement (then it needs no explicit transaction).
+    claim_mode: ClassVar[Mode] = "transaction"
+
+    def start_owned(self, conn: Connection, mode: Mode) -> None:
+        """Prepare a fresh connection for a library-owned operation of the given kind.
+
+        ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
+        """
 
     def is_transient(self, exc: DBAPIError) -> bool:
         """True for errors that a retry of the whole transaction can overcome."""

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from delayq.dialects.base import Dialect, Statements
+from delayq.dialects.base import Dialect, Mode, Statements
 from delayq.errors import UnsupportedDatabaseError
 
 # lock wait timeout, deadlock, server gone away, lost connection, can't connect,
@@ -60,10 +60,12 @@ class MySQLDialect(Dialect):
             "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)", sa.BigInteger
         )
 
-    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
+    def start_owned(self, conn: Connection, mode: Mode) -> None:
         # Applies to the next transaction only: the caller's engine keeps its own level. A
         # single statement by primary or unique key takes no gap locks: skip the round trip.
-        if several_statements:
+        # (Autocommit would save the COMMIT, but mysqlclient switches it with a round trip
+        # each way, so a single statement costs the same.)
+        if mode == "transaction":
             conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
 
     def is_transient(self, exc: DBAPIError) -> bool:

@@ -14,7 +14,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import Dialect
+from delayq.dialects.base import Dialect, Mode
 from delayq.errors import UnsupportedDatabaseError
 
 _BUSY, _LOCKED = 5, 6
@@ -41,8 +41,9 @@ class SQLiteDialect(Dialect):
         days = sa.func.julianday("now") - _UNIX_EPOCH_JULIAN_DAY
         return sa.cast(sa.func.round(days * 86_400_000.0), sa.BigInteger)
 
-    def begin_owned(self, conn: Connection, several_statements: bool) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    def start_owned(self, conn: Connection, mode: Mode) -> None:
+        if mode != "read":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     def is_transient(self, exc: DBAPIError) -> bool:
         return super().is_transient(exc) or _errorcode(exc) & 0xFF in (_BUSY, _LOCKED)
