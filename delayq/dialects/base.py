@@ -19,7 +19,6 @@ from sqlalchemy.exc import DBAPIError
 
 from delayq.schema import Tables
 
-
 Mode = Literal["read", "statement", "transaction"]
 
 

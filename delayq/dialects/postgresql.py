@@ -131,7 +131,9 @@ _UNNEST_COLUMNS = {
 @functools.cache
 def _insert_unnest(stmts: Statements) -> sa.Insert:
     m = stmts.tables.messages
-    arrays = [sa.bindparam(column, type_=ARRAY(type_)) for column, type_ in _UNNEST_COLUMNS.items()]
+    arrays: list[sa.BindParameter[Any]] = [
+        sa.bindparam(column, type_=ARRAY(type_)) for column, type_ in _UNNEST_COLUMNS.items()
+    ]
     rows = sa.func.unnest(*arrays).table_valued(*_UNNEST_COLUMNS).render_derived(name="new_rows")
     return (
         pg_insert(m)
