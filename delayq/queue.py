@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
@@ -40,6 +41,7 @@ class DelayedQueue:
         table_prefix, schema: where the tables are; default ``delayq_messages`` and
             ``delayq_dead_letters`` in the connection's default schema.
         transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
+        notify: on PostgreSQL, wake listening workers (NOTIFY) when an offer commits. True.
 
     Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
     transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.
@@ -56,6 +58,7 @@ class DelayedQueue:
         table_prefix: str = DEFAULT_PREFIX,
         schema: str | None = None,
         transient_retry: TransientRetry = DEFAULT_RETRY,
+        notify: bool = True,
     ) -> None:
         self.name = check_queue_name(name)
         self.engine = engine
@@ -65,6 +68,7 @@ class DelayedQueue:
             raise InvalidInputError("visibility_timeout must be positive")
         self.serializer: Serializer = serializer or JsonSerializer()
         self.clock = clock
+        self.notify = notify
         self.tables = make_tables(table_prefix, schema)
         self._runner = Runner(engine, self.tables, transient_retry)
 
@@ -155,19 +159,55 @@ class DelayedQueue:
         try:
             return self._runner.run(using, op, self._runner.dialect.claim_mode)
         except SerializationMismatchError:
-            self._unclaim(unreadable, token, using)
+            self._unclaim([(r.id, token, r.due_at) for r in unreadable], using)
             raise
 
-    def _unclaim(self, rows: list[ClaimedRow], token: str, using: Using) -> None:
-        """Put claimed rows back as they were (due, unlocked, the attempt not counted)."""
-        params = [{"msg_id": r.id, "token": token, "due": r.due_at} for r in rows]
+    def release(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
+        """Give deliveries back unprocessed: due again at once, the attempt not counted.
+
+        Returns how many were still held. For work that was fetched but never started.
+        """
+        return self._unclaim([(d.id, d.lock_token, to_ms(d.scheduled_at)) for d in deliveries], using)
+
+    def _unclaim(self, rows: list[tuple[int, str, int]], using: Using) -> int:
+        """Put claimed rows (id, token, due) back as they were: due, unlocked, the attempt not counted."""
+        params = [{"msg_id": msg_id, "token": token, "due": due} for msg_id, token, due in rows]
         if not params:
-            return
+            return 0
 
-        def op(conn: Connection, dialect: Dialect) -> None:
-            conn.execute(self._statements(dialect).unclaim, params)
+        def op(conn: Connection, dialect: Dialect) -> int:
+            stmt = self._statements(dialect).unclaim
+            return sum(conn.execute(stmt, p).rowcount for p in params)
 
-        self._runner.run(using, op, "transaction")
+        return self._runner.run(using, op, "transaction")
+
+    def next_due(self, *, using: Using = None) -> dt.timedelta | None:
+        """How long until this queue's next message is due (zero when one is due now); None when empty.
+
+        A held message counts at its lock's expiry, when it would be delivered again.
+        """
+        params = {"queue_name": self.name, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
+            row = conn.execute(self._statements(dialect).next_due, params).one()
+            if row.next_due is None:
+                return None
+            return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
+
+        return self._runner.run(using, op, "read")
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A connection in a transaction begun as delayq begins its own; committed on success.
+
+        (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL/MariaDB.) Pass it as ``using=``
+        to make queue operations part of the same unit of work as your own statements.
+        """
+        with self.engine.connect() as conn:
+            self._runner.dialect.verify(conn)
+            self._runner.dialect.start_owned(conn, "transaction")
+            yield conn
+            conn.commit()
 
     def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many."""
@@ -327,7 +367,7 @@ class DelayedQueue:
 
     # -- internals ------------------------------------------------------------------------------
     def _statements(self, dialect: Dialect) -> Statements:
-        return dialect.statements(self.tables, self.clock is not None)
+        return dialect.statements(self.tables, self.clock is not None, self.notify)
 
     def _now_param(self) -> dict[str, int]:
         return {} if self.clock is None else {"now": to_ms(self.clock.now())}
@@ -380,6 +420,8 @@ class DelayedQueue:
                 },
             ).rowcount
             if swapped == 1:
+                if stmts.notify is not None:
+                    conn.execute(stmts.notify, params)
                 return OfferOutcome.UPDATED
 
     def _delivery(self, row: ClaimedRow, token: str) -> Delivery:

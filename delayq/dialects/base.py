@@ -48,9 +48,10 @@ class Statements:
     runs on an injected clock. Every other value is a named bind parameter.
     """
 
-    def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int]) -> None:
+    def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
         m, dead = tables.messages, tables.dead_letters
         self.tables = tables
+        self.notifies = notify
         self.now = now
         queue, key = _bp("queue_name", sa.String), _bp("msg_key", sa.String)
         by_key = sa.and_(m.c.queue == queue, m.c.key == key)
@@ -59,7 +60,7 @@ class Statements:
         due = sa.func.coalesce(_bp("due_at"), now + _bp("due_in"))
 
         self.now_select = sa.select(now.label("now"))
-        self.insert = dialect.insert_skipping_duplicates(m).values(
+        insert = dialect.insert_skipping_duplicates(m).values(
             queue=queue,
             key=key,
             payload=_bp("payload", sa.LargeBinary),
@@ -69,8 +70,11 @@ class Statements:
             created_at=now,
             attempts=0,
         )
+        self.insert: sa.Executable = insert
         if dialect.insert_returns_created:
-            self.insert = self.insert.returning(m.c.id)
+            returning = insert.returning(m.c.id, m.c.queue)
+            self.insert = dialect.notifying(returning, tables) if notify else returning
+        self.notify = dialect.notify_statement(tables) if notify else None
         self.insert_rows = dialect.insert_skipping_duplicates(m)
         self.existing_keys = sa.select(m.c.key).where(
             m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True))
@@ -181,6 +185,9 @@ class Statements:
             sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
             now.label("now"),
         ).where(m.c.queue == queue)
+        self.next_due = sa.select(sa.func.min(m.c.scheduled_at).label("next_due"), now.label("now")).where(
+            m.c.queue == queue
+        )
         dead_cols = (
             dead.c.id,
             dead.c.key,
@@ -229,10 +236,22 @@ class Dialect:
         raise NotImplementedError
 
     @functools.cache  # noqa: B019 - one dialect object per engine, kept for the engine's life
-    def statements(self, tables: Tables, manual_clock: bool) -> Statements:
-        """The shared statements, built once per table set and clock mode."""
+    def statements(self, tables: Tables, manual_clock: bool, notify: bool = False) -> Statements:
+        """The shared statements, built once per table set, clock mode and wake-up mode."""
         now = _bp("now") if manual_clock else self.now_ms()
-        return Statements(self, tables, now)
+        return Statements(self, tables, now, notify and self.can_notify)
+
+    # -- wake-ups -------------------------------------------------------------------------------
+    #: Whether offers can wake listening workers when they commit (LISTEN/NOTIFY).
+    can_notify: ClassVar[bool] = False
+
+    def notifying(self, insert: sa.Insert, tables: Tables) -> sa.Executable:
+        """Wrap an INSERT ... RETURNING (first column, queue) so it also wakes listening workers."""
+        return insert
+
+    def notify_statement(self, tables: Tables) -> sa.Executable | None:
+        """A statement that wakes the workers listening for ``:queue_name``."""
+        return None
 
     # -- transactions ---------------------------------------------------------------------------
     #: Whether the claim is one statement (then it needs no explicit transaction).

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -14,6 +15,7 @@ from sqlalchemy.exc import DBAPIError
 
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, Statements
 from delayq.errors import UnsupportedDatabaseError
+from delayq.schema import Tables
 
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
 # cannot_connect_now, and the connection_exception class.
@@ -37,6 +39,18 @@ class PostgresDialect(Dialect):
             )
 
     claim_mode: ClassVar[Mode] = "statement"
+    can_notify: ClassVar[bool] = True
+
+    def notifying(self, insert: sa.Insert, tables: Tables) -> sa.Executable:
+        # One statement still: NOTIFY rides on the insert and is delivered when the offering
+        # transaction commits (the caller's, when the offer joined it). PostgreSQL folds equal
+        # notifications of one transaction into one.
+        offered = insert.cte("offered")
+        first = next(iter(offered.c))
+        return sa.select(first, sa.func.pg_notify(tables.messages.name, offered.c.queue)).select_from(offered)
+
+    def notify_statement(self, tables: Tables) -> sa.Executable:
+        return sa.select(sa.func.pg_notify(tables.messages.name, sa.bindparam("queue_name", type_=sa.String)))
 
     def start_owned(self, conn: Connection, mode: Mode) -> None:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
@@ -69,7 +83,8 @@ class PostgresDialect(Dialect):
         # One array parameter per column (INSERT ... SELECT FROM unnest): the statement stays
         # small and cached whatever the batch size, instead of 7 parameters per row.
         columns = {column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}
-        return set(conn.execute(_insert_unnest(stmts), columns).scalars())
+        stmt = _insert_unnest(stmts)
+        return set(conn.execute(self.notifying(stmt, stmts.tables) if stmts.notifies else stmt, columns).scalars())
 
     def claim(
         self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
@@ -139,5 +154,17 @@ def _insert_unnest(stmts: Statements) -> sa.Insert:
         pg_insert(m)
         .from_select(list(_UNNEST_COLUMNS), sa.select(*(rows.c[c] for c in _UNNEST_COLUMNS)))
         .on_conflict_do_nothing(index_elements=["queue", "key"])
-        .returning(m.c.key)
+        .returning(m.c.key, m.c.queue)
     )
+
+
+def listen(engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
+    """Yield the payloads (queue names) notified on ``channel`` until ``stop`` is set."""
+    from psycopg import sql as psycopg_sql
+
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    with engine.dialect.loaded_dbapi.connect(*cargs, **{**cparams, "autocommit": True}) as conn:
+        conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+        while not stop.is_set():
+            for notice in conn.notifies(timeout=0.5):
+                yield notice.payload

@@ -1,0 +1,61 @@
+"""Handler: the base class of consumers, and the two exceptions a handler raises to steer its message."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import ClassVar
+
+from sqlalchemy.engine import Connection
+
+from delayq.messages import Delivery
+from delayq.retry import RetryPolicy
+from delayq.serializers import JsonSerializer, Serializer
+
+
+class Retry(Exception):
+    """Raise in ``handle`` to try the message again after ``after`` (default: the handler's policy)."""
+
+    def __init__(self, after: dt.timedelta | None = None, reason: str | None = None) -> None:
+        super().__init__(reason or "retry requested")
+        self.after = after
+        self.reason = reason
+
+
+class DeadLetter(Exception):
+    """Raise in ``handle`` to give up on the message at once: it moves to the dead letters."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Handler:
+    """Consumes one queue. Subclass it, set ``queue``, and implement ``handle``.
+
+    Class attributes (with their defaults):
+
+    - ``queue``: the queue's name (required).
+    - ``serializer``: how payloads are decoded; ``JsonSerializer()``.
+    - ``retry``: the ``RetryPolicy`` for failures; 10 attempts, 10 s doubling to 1 h.
+    - ``visibility_timeout``: how long a delivery stays locked; the worker extends the lock
+      of a handler still running. 5 minutes.
+    - ``transactional``: when True, ``handle(delivery, conn)`` runs inside the transaction
+      that also deletes the message, so its database writes happen exactly once. False.
+
+    ``handle`` returning normally acks the message. Raising ``Retry(after=...)`` schedules
+    another attempt; ``DeadLetter(reason)`` gives up at once; any other exception is a failed
+    attempt, retried per ``retry`` and dead-lettered when attempts run out.
+    """
+
+    queue: ClassVar[str]
+    serializer: ClassVar[Serializer] = JsonSerializer()
+    retry: ClassVar[RetryPolicy] = RetryPolicy()
+    visibility_timeout: ClassVar[dt.timedelta] = dt.timedelta(minutes=5)
+    transactional: ClassVar[bool] = False
+
+    def handle(self, delivery: Delivery, conn: Connection | None = None) -> None:
+        """Process one delivery; ``conn`` is given to transactional handlers."""
+        raise NotImplementedError(f"{type(self).__name__}.handle")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(queue={getattr(self, 'queue', None)!r})"
