@@ -12,18 +12,23 @@ from delayq.errors import (
     SerializationMismatchError,
     UnsupportedDatabaseError,
 )
+from delayq.handler import DeadLetter, Handler, Retry
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.queue import DelayedQueue
+from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
 from delayq.transactions import TransientRetry
+from delayq.worker import Worker
 
 __all__ = [
     "BytesSerializer",
     "Clock",
+    "DeadLetter",
     "DeadMessage",
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "Handler",
     "InvalidInputError",
     "InvalidKeyError",
     "InvalidQueueError",
@@ -34,10 +39,13 @@ __all__ = [
     "OfferOutcome",
     "PayloadError",
     "QueueStats",
+    "Retry",
+    "RetryPolicy",
     "SchemaMissingError",
     "SerializationMismatchError",
     "Serializer",
     "TextSerializer",
     "TransientRetry",
     "UnsupportedDatabaseError",
+    "Worker",
 ]

@@ -12,6 +12,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
+from delayq.dialects.base import purge_dead_statement
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
@@ -364,6 +365,39 @@ class DelayedQueue:
             ]
 
         return self._runner.run(using, op, "read")
+
+    def requeue_dead(self, key: str, *, using: Using = None) -> bool:
+        """Move the newest dead letter under ``key`` back into the queue, due now, attempts reset.
+
+        False when there is none, or when a live message already holds the key (it stays dead).
+        """
+        params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            stmts = self._statements(dialect)
+            row = conn.execute(stmts.dead_latest, params).first()
+            if row is None or not dialect.insert_if_absent(
+                conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
+            ):
+                return False
+            conn.execute(stmts.dead_delete, {"dead_id": row.id})
+            return True
+
+        return self._runner.run(using, op, "transaction")
+
+    def purge_dead(
+        self, *, key: str | None = None, key_prefix: str | None = None, everything: bool = False, using: Using = None
+    ) -> int:
+        """Delete this queue's dead letters under ``key``, or whose key starts with ``key_prefix``,
+        or all of them with ``everything=True``; returns how many."""
+        if (key is None and key_prefix is None) != everything:
+            raise InvalidInputError("purge_dead takes key=, key_prefix=, or everything=True")
+        stmt = purge_dead_statement(self.tables, None if key is None else check_key(key), key_prefix)
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
+
+        return self._runner.run(using, op, "statement")
 
     # -- internals ------------------------------------------------------------------------------
     def _statements(self, dialect: Dialect) -> Statements:

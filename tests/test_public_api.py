@@ -9,10 +9,12 @@ import delayq
 EXPECTED = {
     "BytesSerializer",
     "Clock",
+    "DeadLetter",
     "DeadMessage",
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "Handler",
     "InvalidInputError",
     "InvalidKeyError",
     "InvalidQueueError",
@@ -23,12 +25,15 @@ EXPECTED = {
     "OfferOutcome",
     "PayloadError",
     "QueueStats",
+    "Retry",
+    "RetryPolicy",
     "SchemaMissingError",
     "SerializationMismatchError",
     "Serializer",
     "TextSerializer",
     "TransientRetry",
     "UnsupportedDatabaseError",
+    "Worker",
 }
 
 

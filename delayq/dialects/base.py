@@ -199,6 +199,14 @@ class Statements:
             dead.c.last_error,
             dead.c.failed_at,
         )
+        self.dead_latest = (
+            sa.select(*dead_cols)
+            .where(dead.c.queue == queue, dead.c.key == key)
+            .order_by(dead.c.id.desc())
+            .limit(1)
+            .with_for_update()
+        )
+        self.dead_delete = sa.delete(dead).where(dead.c.id == _bp("dead_id"))
         self.dead_letters = (
             sa.select(*dead_cols)
             .where(dead.c.queue == queue, dead.c.id > _bp("after_id"))
@@ -321,3 +329,14 @@ class Dialect:
             )
             for r in rows
         ]
+
+
+def purge_dead_statement(tables: Tables, key: str | None, key_prefix: str | None) -> sa.Delete:
+    """DELETE a queue's dead letters: all of them, one key's, or those whose key starts with a prefix."""
+    dead = tables.dead_letters
+    stmt = sa.delete(dead).where(dead.c.queue == sa.bindparam("queue_name", type_=sa.String))
+    if key is not None:
+        stmt = stmt.where(dead.c.key == key)
+    if key_prefix is not None:
+        stmt = stmt.where(dead.c.key.startswith(key_prefix, autoescape=True))
+    return stmt

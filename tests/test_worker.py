@@ -1,0 +1,212 @@
+"""The Worker in-process, driven by the manual clock: retries, dead letters, heartbeats, exactly-once effects."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend, count_rows
+
+from delayq import (
+    DeadLetter,
+    DelayedQueue,
+    Delivery,
+    Handler,
+    ManualClock,
+    Retry,
+    RetryPolicy,
+    Worker,
+)
+
+SECOND = dt.timedelta(seconds=1)
+
+
+def wait_until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Poll a condition; fail (not hang) if it stays false. Bounds a wait, asserts nothing about timing."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def handler_for(queue_name: str, body: Callable[..., None], **attrs: Any) -> Handler:
+    cls = type(
+        "TestHandler", (Handler,), {"queue": queue_name, "handle": lambda self, d, conn=None: body(d, conn), **attrs}
+    )
+    return cls()  # type: ignore[no-any-return]
+
+
+def test_failures_follow_the_policy_then_dead_letter_and_requeue(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    policy = RetryPolicy(max_attempts=4, initial_delay=10 * SECOND, multiplier=2, jitter=0)
+    seen: list[tuple[int, dt.datetime]] = []
+    fail = [True]
+
+    def body(d: Delivery, _: object) -> None:
+        seen.append((d.attempts, clock.now()))
+        if fail[0]:
+            raise ValueError(f"boom {d.attempts}")
+
+    worker = Worker(engine, [handler_for(queue_name, body, retry=policy)], clock=clock)
+    q = worker.queues[0]
+    q.offer("job", {"n": 1})
+    expected_delays = [10 * SECOND, 20 * SECOND, 40 * SECOND]
+    for attempt, delay in enumerate(expected_delays, start=1):
+        assert worker.run_once() == 1
+        msg = q.get("job")
+        assert msg is not None and msg.attempts == attempt and msg.last_error == f"ValueError: boom {attempt}"
+        assert msg.scheduled_at == clock.now() + delay
+        clock.advance(delay - dt.timedelta(milliseconds=1))
+        assert worker.run_once() == 0  # not before its time
+        clock.advance(dt.timedelta(milliseconds=1))
+    assert worker.run_once() == 1  # the fourth and last attempt
+    assert [a for a, _ in seen] == [1, 2, 3, 4]
+    assert q.get("job") is None
+    [dead] = q.dead_letters()
+    assert (dead.key, dead.attempts, dead.last_error) == ("job", 4, "ValueError: boom 4")
+
+    fail[0] = False
+    assert q.requeue_dead("job") is True
+    assert q.dead_letters() == []
+    assert worker.run_once() == 1
+    assert seen[-1][0] == 1 and q.get("job") is None
+
+
+def test_retry_and_dead_letter_requests(engine: sa.Engine, queue_name: str, clock: ManualClock) -> None:
+    def body(d: Delivery, _: object) -> None:
+        if d.key == "later" and d.attempts == 1:
+            raise Retry(after=5 * SECOND, reason="not yet")
+        if d.key == "bad":
+            raise DeadLetter("bad address")
+
+    worker = Worker(engine, [handler_for(queue_name, body)], clock=clock)
+    q = worker.queues[0]
+    q.offer_many([("later", 1, None), ("bad", 2, None)])
+    assert worker.run_once() == 2
+    assert q.get("later").scheduled_at == clock.now() + 5 * SECOND
+    assert q.get("later").last_error == "not yet"
+    assert [(d.key, d.last_error, d.attempts) for d in q.dead_letters()] == [("bad", "bad address", 1)]
+    clock.advance(5 * SECOND)
+    assert worker.run_once() == 1
+    assert q.get("later") is None
+    assert q.purge_dead(key="bad") == 1
+
+
+def test_purge_dead_by_prefix_escapes_like_wildcards(queue: DelayedQueue) -> None:
+    for key in ("a_1", "ab1", "a%2"):
+        queue.offer(key, 1)
+        d = queue.try_poll()
+        assert d is not None and d.dead_letter("x")
+    assert queue.purge_dead(key_prefix="a_") == 1
+    assert sorted(d.key for d in queue.dead_letters()) == ["a%2", "ab1"]
+    assert queue.purge_dead(everything=True) == 2
+    with pytest.raises(ValueError, match="purge_dead takes"):
+        queue.purge_dead()
+
+
+def test_a_handler_running_three_visibility_timeouts_keeps_its_lock(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    vt = 10 * SECOND
+    started, release = threading.Event(), threading.Event()
+    calls: Counter[str] = Counter()
+
+    def body(d: Delivery, _: object) -> None:
+        calls[d.key] += 1
+        started.set()
+        release.wait(60)
+
+    worker = Worker(
+        engine,
+        [handler_for(queue_name, body, visibility_timeout=vt)],
+        clock=clock,
+        poll_interval=dt.timedelta(milliseconds=50),
+    )
+    q = worker.queues[0]
+    other = DelayedQueue(engine, queue_name, clock=clock, visibility_timeout=vt)
+    q.offer("slow", 1)
+    worker.start()
+    try:
+        wait_until(started.is_set, "the handler to start")
+        for _ in range(6):  # 6 x 0.6 vt = 3.6 visibility timeouts
+            clock.advance(vt * 0.6)
+            wait_until(lambda: q.get("slow").scheduled_at == clock.now() + vt, "the heartbeat to extend the lock")
+            assert other.try_poll() is None
+        release.set()
+        wait_until(lambda: q.get("slow") is None, "the ack")
+    finally:
+        release.set()
+        assert worker.stop()
+    assert calls == {"slow": 1}
+
+
+@pytest.fixture
+def effects(engine: sa.Engine) -> Iterator[sa.Table]:
+    table = sa.Table(
+        "delayq_test_effects",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("key", sa.String(50), nullable=False),
+        sa.Column("attempt", sa.Integer),
+    )
+    table.create(engine, checkfirst=True)
+    yield table
+    with engine.begin() as conn:
+        conn.execute(table.delete())
+
+
+def test_transactional_handlers_write_exactly_once_when_locks_are_lost(
+    backend: Backend, queue_name: str, clock: ManualClock, effects: sa.Table
+) -> None:
+    engine = backend.engine
+    m = DelayedQueue(engine, queue_name).tables.messages
+    lost: Counter[str] = Counter()
+
+    def current_token(msg_id: int) -> str | None:
+        with engine.connect() as c:
+            return c.execute(sa.select(m.c.lock_token).where(m.c.id == msg_id)).scalar()
+
+    def body(d: Delivery, conn: sa.Connection) -> None:
+        conn.execute(effects.insert().values(key=d.key, attempt=d.attempts))
+        if d.attempts == 1 and int(d.key[1:]) % 5 == 0:
+            lost[d.key] += 1
+            if backend.name == "sqlite":
+                # One writer at a time: nobody else can take it now. Play the other consumer here.
+                conn.execute(m.update().where(m.c.id == d.id).values(lock_token="another-consumer"))
+            else:  # expire the lock; wait until another worker has claimed the message
+                with engine.begin() as c:
+                    c.execute(m.update().where(m.c.id == d.id).values(scheduled_at=0))
+                wait_until(lambda: current_token(d.id) != d.lock_token, "another worker to take the message")
+
+    handler = handler_for(
+        queue_name, body, transactional=True, visibility_timeout=30 * SECOND, retry=RetryPolicy.fixed(dt.timedelta(0))
+    )
+    workers = [
+        Worker(engine, [handler], clock=clock, concurrency=2, poll_interval=dt.timedelta(milliseconds=20))
+        for _ in range(4)
+    ]
+    q = workers[0].queues[0]
+    keys = [f"m{i}" for i in range(100)]
+    q.offer_many([(k, 1, None) for k in keys])
+    for w in workers:
+        w.start()
+    try:
+        if backend.name == "sqlite":  # the stolen locks expire with time
+            wait_until(lambda: q.stats().in_flight + q.stats().ready == len(lost), "the first pass")
+            clock.advance(31 * SECOND)
+        wait_until(lambda: count_rows(engine, queue_name) == 0, "every message to be handled")
+    finally:
+        for w in workers:
+            assert w.stop()
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
+    assert dict(rows) == dict.fromkeys(keys, 1)
+    assert len(lost) == 20
