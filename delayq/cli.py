@@ -79,3 +79,7 @@ def worker(handlers: str, url: str, concurrency: int, shutdown_timeout: float, l
     engine = sa.create_engine(url)
     Worker(engine, loaded, concurrency=concurrency, shutdown_timeout=dt.timedelta(seconds=shutdown_timeout)).run()
     engine.dispose()
+
+
+if __name__ == "__main__":
+    main()

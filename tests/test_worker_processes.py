@@ -1,0 +1,100 @@
+"""Real worker processes: killed with SIGKILL mid-handler, stopped with SIGTERM while handlers run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from conftest import REPO_ROOT, Backend
+from test_worker import wait_until
+
+from delayq import DelayedQueue
+
+
+def start_worker(
+    backend: Backend, queue: str, markers: Path, *, seconds: float, concurrency: int = 4, visibility: float = 2.0
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DELAYQ_URL": backend.url,
+        "DELAYQ_TEST_QUEUE": queue,
+        "DELAYQ_TEST_MARKERS": str(markers),
+        "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
+        "DELAYQ_TEST_VISIBILITY": str(visibility),
+        "PYTHONPATH": str(REPO_ROOT / "tests"),
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "delayq.cli",
+            "worker",
+            "worker_app:handlers",
+            "--concurrency",
+            str(concurrency),
+            "--shutdown-timeout",
+            "20",
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def markers_of(markers: Path, suffix: str) -> dict[str, str]:
+    return {p.name: p.read_text() for p in markers.glob(f"*.{suffix}")}
+
+
+def test_a_killed_worker_loses_nothing(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("job", {"n": 1})
+    doomed = start_worker(backend, queue_name, tmp_path, seconds=120, visibility=1.0)
+    processes.append(doomed)
+    wait_until(lambda: bool(markers_of(tmp_path, "started")), "the first worker to start the handler")
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    survivor = start_worker(backend, queue_name, tmp_path, seconds=0, visibility=1.0)
+    processes.append(survivor)
+    wait_until(lambda: q.get("job") is None, "another worker to handle the message")
+    done = markers_of(tmp_path, "done")
+    assert list(done) == [f"job.{survivor.pid}.done"]
+    assert done[f"job.{survivor.pid}.done"] == "2"  # the second delivery
+
+
+def test_sigterm_lets_running_handlers_finish_and_exits_zero(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"m{i}", i, None) for i in range(15)])
+    worker = start_worker(backend, queue_name, tmp_path, seconds=2.0, concurrency=10, visibility=30.0)
+    processes.append(worker)
+    wait_until(lambda: len(markers_of(tmp_path, "started")) == 10, "ten handlers to start")
+    worker.send_signal(signal.SIGTERM)
+    output = worker.communicate(timeout=60)[0].decode()
+    assert worker.returncode == 0, output
+    assert len(markers_of(tmp_path, "done")) == 10
+    stats = q.stats()
+    assert (stats.ready, stats.in_flight, stats.expired_locks) == (5, 0, 0), output
+    m = q.tables.messages
+    with backend.engine.connect() as conn:
+        left = conn.execute(sa.select(m.c.attempts, m.c.lock_token).where(m.c.queue == queue_name)).all()
+    assert left == [(0, None)] * 5

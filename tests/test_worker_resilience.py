@@ -1,0 +1,90 @@
+"""A worker whose database connections are killed logs, backs off and resumes, losing nothing."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import make_engine
+from test_worker import handler_for, wait_until
+
+from delayq import DelayedQueue, Delivery, Worker
+
+
+def victim_engine(name: str, url: str, tag: str) -> tuple[sa.Engine, list[int]]:
+    """An engine whose connections can be found and killed from outside: by application name, or id."""
+    ids: list[int] = []
+    if name == "postgresql":
+        engine = make_engine(
+            sa.engine.make_url(url).update_query_dict({"application_name": tag}).render_as_string(False)
+        )
+    else:
+        engine = make_engine(url)
+
+        @sa.event.listens_for(engine, "connect")
+        def remember(dbapi_conn: Any, _: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("SELECT CONNECTION_ID()")
+            ids.append(cur.fetchone()[0])
+
+    return engine, ids
+
+
+def kill_connections(name: str, admin: sa.Engine, tag: str, ids: list[int]) -> int:
+    with admin.connect() as conn:
+        if name == "postgresql":
+            killed = conn.execute(
+                sa.text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = :t"),
+                {"t": tag},
+            ).scalar_one()
+            return int(killed)
+        killed = 0
+        for connection_id in list(ids):
+            try:
+                conn.exec_driver_sql(f"KILL {int(connection_id)}")
+                killed += 1
+            except sa.exc.OperationalError:  # already gone
+                pass
+        return killed
+
+
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
+def test_worker_survives_its_connections_being_killed(name: str, backend_urls: dict[str, str]) -> None:
+    url, tag = backend_urls[name], f"delayq-victim-{uuid.uuid4().hex[:8]}"
+    queue_name = f"test-{tag}"
+    engine, ids = victim_engine(name, url, tag)
+    admin = make_engine(url)
+    handled: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def body(d: Delivery, _: object) -> None:
+        with lock:
+            handled[d.key] += 1
+
+    worker = Worker(
+        engine,
+        [handler_for(queue_name, body, visibility_timeout=dt.timedelta(seconds=5))],
+        poll_interval=dt.timedelta(milliseconds=100),
+    )
+    producer = DelayedQueue(admin, queue_name)
+    worker.start()
+    try:
+        producer.offer_many([(f"a{i}", i, None) for i in range(10)])
+        wait_until(lambda: len(handled) == 10, "the first batch")
+        assert kill_connections(name, admin, tag, ids) >= 1
+        producer.offer_many([(f"b{i}", i, None) for i in range(5)])
+        kill_connections(name, admin, tag, ids)  # again, whatever has reconnected by now
+        producer.offer_many([(f"b{i}", i, None) for i in range(5, 10)])
+        wait_until(lambda: len(handled) == 20, "the batch offered after the kill", limit=60)
+        assert worker._thread is not None and worker._thread.is_alive()
+    finally:
+        assert worker.stop()
+        engine.dispose()
+        admin.dispose()
+    assert set(handled) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(10)}
+    assert producer.stats().ready == 0

@@ -1,0 +1,29 @@
+"""Handlers for the worker-process tests, configured by environment variables.
+
+DELAYQ_TEST_QUEUE names the queue; DELAYQ_TEST_MARKERS a directory where each handler call leaves
+``{key}.{pid}.started`` and ``{key}.{pid}.done``; DELAYQ_TEST_HANDLER_SECONDS how long a call takes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from pathlib import Path
+
+from delayq import Delivery, Handler
+
+
+class Recording(Handler):
+    queue = os.environ.get("DELAYQ_TEST_QUEUE", "unset")
+    visibility_timeout = dt.timedelta(seconds=float(os.environ.get("DELAYQ_TEST_VISIBILITY", "2")))
+
+    def handle(self, delivery: Delivery, conn: object = None) -> None:
+        markers = Path(os.environ["DELAYQ_TEST_MARKERS"])
+        stem = f"{delivery.key}.{os.getpid()}"
+        (markers / f"{stem}.started").write_text(str(delivery.attempts))
+        time.sleep(float(os.environ.get("DELAYQ_TEST_HANDLER_SECONDS", "0")))
+        (markers / f"{stem}.done").write_text(str(delivery.attempts))
+
+
+handlers = [Recording]
