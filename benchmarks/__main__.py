@@ -13,6 +13,7 @@ a benchmark that loses or duplicates a message fails instead of printing a figur
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import statistics
@@ -28,7 +29,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from benchmarks import ceiling
-from delayq import DelayedQueue, migrations
+from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
 
 PREFIX = "bench_"
 TABLE = f"{PREFIX}messages"
@@ -47,10 +48,11 @@ class Sizes:
     consume_single: int = 2000
     consume_batch: int = 20000
     future_rows: int = 1_000_000
+    pickup: int = 500
     repeat: int = 3
 
 
-QUICK = Sizes(single=200, batch=2000, consume_single=200, consume_batch=2000, future_rows=10_000, repeat=1)
+QUICK = Sizes(single=200, batch=2000, consume_single=200, consume_batch=2000, future_rows=10_000, pickup=50, repeat=1)
 
 
 @dataclass
@@ -85,8 +87,9 @@ def make_engine(backend: str, tmp: Path) -> sa.Engine:
 
 
 def clear(engine: sa.Engine) -> None:
+    """Empty the table between runs; TRUNCATE leaves no dead rows for the next run to wade through."""
     with engine.begin() as conn:
-        conn.exec_driver_sql(f"DELETE FROM {TABLE}")
+        conn.exec_driver_sql(f"DELETE FROM {TABLE}" if engine.dialect.name == "sqlite" else f"TRUNCATE {TABLE}")
 
 
 def count(engine: sa.Engine) -> int:
@@ -284,6 +287,78 @@ def scale(engine: sa.Engine, q: DelayedQueue, sizes: Sizes) -> tuple[float, floa
     return empty_claim, full_claim, empty_offer, full_offer
 
 
+# -- the worker -----------------------------------------------------------------------------------
+def noop_handler(queue: str, on_start: Callable[[str], None]) -> Handler:
+    class Noop(Handler):
+        def handle(self, delivery: Delivery, conn: object = None) -> None:
+            on_start(delivery.key)
+
+    Noop.queue = queue
+    return Noop()
+
+
+def pickup_latency(engine: sa.Engine, q: DelayedQueue, n: int) -> tuple[float, None, list[float]]:
+    """Offer one message at a time to an idle worker; time from the offer's commit to the handler's start."""
+    clear(engine)
+    started: dict[str, float] = {}
+    arrived = threading.Event()
+
+    def on_start(key: str) -> None:
+        started[key] = time.perf_counter()
+        arrived.set()
+
+    worker = Worker(engine, [noop_handler("bench", on_start)], table_prefix=PREFIX, concurrency=4)
+    worker.start()
+    lat: list[float] = []
+    try:
+        time.sleep(0.2)  # let it go idle (and LISTEN on PostgreSQL)
+        for i in range(n):
+            arrived.clear()
+            q.offer(f"l{i}", {"n": i})
+            committed = time.perf_counter()
+            if not arrived.wait(10):
+                raise LostMessages(f"pickup: message l{i} was not picked up within 10 s")
+            lat.append(started[f"l{i}"] - committed)
+            time.sleep(0.005 + 0.01 * (i % 3))  # idle between messages
+    finally:
+        worker.stop()
+    total = sum(lat)
+    return n / total, None, lat
+
+
+def worker_drain(engine: sa.Engine, q: DelayedQueue, n: int, workers: int) -> tuple[float, None, list[float]]:
+    """No-op handlers draining n due messages with ``workers`` workers (8 slots each)."""
+    clear(engine)
+    expected = fill(q, n)
+    delivered: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def on_start(key: str) -> None:
+        with lock:
+            delivered[key] += 1
+
+    pool = [
+        Worker(
+            engine,
+            [noop_handler("bench", on_start)],
+            table_prefix=PREFIX,
+            concurrency=8,
+            poll_interval=dt.timedelta(milliseconds=50),
+        )
+        for _ in range(workers)
+    ]
+    start = time.perf_counter()
+    for w in pool:
+        w.start()
+    while count(engine) and time.perf_counter() - start < 600:
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    for w in pool:
+        w.stop()
+    check_exactly_once(engine, expected, delivered, f"worker drain x{workers}")
+    return n / elapsed, None, []
+
+
 # -- the run --------------------------------------------------------------------------------------
 def median_figure(backend: str, scenario: str, runs: list[tuple[float, float | None, list[float]]]) -> Figure:
     ours = [r[0] for r in runs]
@@ -316,6 +391,12 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path) -> list[Figure]:
         measure(
             f"try_poll_many(100) + ack_many, {consumers} consumer(s)",
             lambda c=consumers: (*consume(engine, q, sizes.consume_batch, 100, c), []),
+        )
+    measure("pickup latency, idle worker (offer commit -> handler)", lambda: pickup_latency(engine, q, sizes.pickup))
+    for workers in (1, 4):
+        measure(
+            f"worker no-op drain, {workers} worker(s) x 8 slots",
+            lambda w=workers: worker_drain(engine, q, sizes.consume_batch, w),
         )
     runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)]
     for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3)):
