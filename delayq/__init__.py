@@ -1,6 +1,7 @@
 """delayq: delayed messages and background jobs in the relational database you already have."""
 
 from delayq.clock import Clock, ManualClock
+from delayq.cron import CronService, Schedule
 from delayq.errors import (
     DelayqError,
     InvalidInputError,
@@ -23,6 +24,7 @@ from delayq.worker import Worker
 __all__ = [
     "BytesSerializer",
     "Clock",
+    "CronService",
     "DeadLetter",
     "DeadMessage",
     "DelayedQueue",
@@ -41,6 +43,7 @@ __all__ = [
     "QueueStats",
     "Retry",
     "RetryPolicy",
+    "Schedule",
     "SchemaMissingError",
     "SerializationMismatchError",
     "Serializer",

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
-from delayq.dialects.base import purge_dead_statement
+from delayq.dialects.base import cancel_prefix_statement, coalesce_statements, purge_dead_statement, starts_with
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
@@ -20,6 +20,8 @@ from delayq.serializers import JsonSerializer, Serializer, encode
 from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
 
 __all__ = ["At", "DelayedQueue", "Using"]
+
+T = TypeVar("T")
 
 At = dt.datetime | dt.timedelta | None
 """A due time: an aware datetime, a timedelta from now, or None for now."""
@@ -398,6 +400,46 @@ class DelayedQueue:
             return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
 
         return self._runner.run(using, op, "statement")
+
+    def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: Using = None) -> int:
+        """Delete the messages whose key starts with ``prefix`` (but not with ``keep_prefix``); how many.
+
+        ``%`` and ``_`` in the prefixes match themselves, not any character.
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidKeyError("prefix must be a non-empty string")
+        stmt = cancel_prefix_statement(self.tables, keep_prefix is not None)
+        params = {
+            "queue_name": self.name,
+            "prefix": starts_with(prefix),
+            "keep_prefix": None if keep_prefix is None else starts_with(keep_prefix),
+        }
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            return int(conn.execute(stmt, params).rowcount)
+
+        return self._runner.run(using, op, "statement")
+
+    def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: Using = None) -> int:
+        """Of the never-attempted messages under ``prefix`` due by ``now``, keep the newest; delete the rest.
+
+        Returns how many were deleted. Messages being handled or awaiting a retry are left alone.
+        """
+        latest_stmt, older_stmt = coalesce_statements(self.tables)
+        params = {"queue_name": self.name, "prefix": starts_with(prefix), "now_ms": to_ms(now)}
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            latest = conn.execute(latest_stmt, params).scalar()
+            if latest is None:
+                return 0
+            return int(conn.execute(older_stmt, {**params, "latest": latest}).rowcount)
+
+        return self._runner.run(using, op, "transaction")
+
+    def run(self, operation: Callable[[Connection], T], *, using: Using = None) -> T:
+        """Run ``operation(conn)`` in one transaction: delayq's own (retried whole on transient errors)
+        or the caller's. Pass ``conn`` as ``using=`` to the queue operations inside."""
+        return self._runner.run(using, lambda conn, _: operation(conn), "transaction")
 
     # -- internals ------------------------------------------------------------------------------
     def _statements(self, dialect: Dialect) -> Statements:

@@ -9,6 +9,7 @@ import delayq
 EXPECTED = {
     "BytesSerializer",
     "Clock",
+    "CronService",
     "DeadLetter",
     "DeadMessage",
     "DelayedQueue",
@@ -27,6 +28,7 @@ EXPECTED = {
     "QueueStats",
     "Retry",
     "RetryPolicy",
+    "Schedule",
     "SchemaMissingError",
     "SerializationMismatchError",
     "Serializer",

@@ -331,6 +331,16 @@ class Dialect:
         ]
 
 
+LIKE_ESCAPE = "/"
+
+
+def starts_with(prefix: str) -> str:
+    """A LIKE pattern (escaped with ``LIKE_ESCAPE``) matching the keys that start with ``prefix``."""
+    for special in (LIKE_ESCAPE, "%", "_"):
+        prefix = prefix.replace(special, LIKE_ESCAPE + special)
+    return prefix + "%"
+
+
 def purge_dead_statement(tables: Tables, key: str | None, key_prefix: str | None) -> sa.Delete:
     """DELETE a queue's dead letters: all of them, one key's, or those whose key starts with a prefix."""
     dead = tables.dead_letters
@@ -338,5 +348,38 @@ def purge_dead_statement(tables: Tables, key: str | None, key_prefix: str | None
     if key is not None:
         stmt = stmt.where(dead.c.key == key)
     if key_prefix is not None:
-        stmt = stmt.where(dead.c.key.startswith(key_prefix, autoescape=True))
+        stmt = stmt.where(dead.c.key.like(starts_with(key_prefix), escape=LIKE_ESCAPE))
     return stmt
+
+
+@functools.cache
+def cancel_prefix_statement(tables: Tables, keep: bool) -> sa.Delete:
+    """DELETE a queue's messages whose key matches the pattern ``:prefix`` (not ``:keep_prefix``, with ``keep``).
+
+    Make the patterns with ``starts_with``.
+    """
+    m = tables.messages
+    stmt = sa.delete(m).where(
+        m.c.queue == sa.bindparam("queue_name", type_=sa.String),
+        m.c.key.like(sa.bindparam("prefix", type_=sa.String), escape=LIKE_ESCAPE),
+    )
+    if keep:
+        stmt = stmt.where(~m.c.key.like(sa.bindparam("keep_prefix", type_=sa.String), escape=LIKE_ESCAPE))
+    return stmt
+
+
+@functools.cache
+def coalesce_statements(tables: Tables) -> tuple[sa.Select[Any], sa.Delete]:
+    """The newest overdue never-attempted message under ``:prefix``, and the DELETE of those older."""
+    m = tables.messages
+    untouched = sa.and_(
+        m.c.queue == sa.bindparam("queue_name", type_=sa.String),
+        m.c.key.like(sa.bindparam("prefix", type_=sa.String), escape=LIKE_ESCAPE),
+        m.c.lock_token.is_(None),
+        m.c.attempts == 0,
+    )
+    latest = sa.select(sa.func.max(m.c.scheduled_at_initially)).where(
+        untouched, m.c.scheduled_at_initially <= sa.bindparam("now_ms", type_=sa.BigInteger)
+    )
+    older = sa.delete(m).where(untouched, m.c.scheduled_at_initially < sa.bindparam("latest", type_=sa.BigInteger))
+    return latest, older
