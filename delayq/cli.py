@@ -1,68 +1,173 @@
-"""The ``delayq`` command."""
+"""The ``delayq`` command: migrate, demo, worker, and the operator's view of queued messages.
+
+Every command takes ``--url`` (or ``DELAYQ_URL``; default ``sqlite:///delayq.db``). Bad input prints one
+line saying what to do and exits with code 2, without a traceback.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import importlib
+import json
 import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
 
 import click
 import sqlalchemy as sa
 
 from delayq import migrations
+from delayq.browse import State, list_messages, queue_names
+from delayq.cron import HASH_LENGTH
+from delayq.errors import DelayqError
 from delayq.handler import Handler
-from delayq.schema import DEFAULT_PREFIX
+from delayq.queue import DelayedQueue
+from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.serializers import BytesSerializer
 from delayq.worker import Worker
 
 DEFAULT_URL = "sqlite:///delayq.db"
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Fail(click.ClickException):
+    """One line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+def friendly(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn the errors a user can act on into one line and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except DelayqError as exc:
+            raise Fail(str(exc)) from None
+        except sa.exc.ArgumentError as exc:
+            raise Fail(f"bad database URL: {exc}") from None
+        except sa.exc.NoSuchModuleError as exc:
+            raise Fail(f"unsupported database URL: {exc}") from None
+        except sa.exc.OperationalError as exc:
+            raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
+        except ModuleNotFoundError as exc:
+            raise Fail(
+                f"the database driver is not installed ({exc.name}): pip install 'delayq[postgres]' or 'delayq[mysql]'"
+            ) from None
+
+    return wrapper
 
 
 @click.group()
-def main() -> None:
-    """delayq: delayed messages and background jobs in your relational database."""
-
-
-@main.command()
 @click.option(
     "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
 )
-@click.option("--revision", default="heads", show_default=True, help="Alembic revision to upgrade to.")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="Table name prefix.")
+@click.pass_context
+def main(ctx: click.Context, url: str, prefix: str) -> None:
+    """delayq: delayed messages and background jobs in your relational database."""
+    ctx.obj = {"url": url, "prefix": prefix}
+
+
+@contextmanager
+def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
+    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            tables = make_tables(ctx.obj["prefix"])
+            if not sa.inspect(conn).has_table(tables.messages.name):
+                raise Fail(
+                    f"delayq's tables ({tables.messages.name}, ...) are not in this database: run "
+                    "`delayq migrate` with the same --url"
+                )
+            yield engine, conn
+    finally:
+        engine.dispose()
+
+
+def existing_queue(ctx: click.Context, conn: sa.Connection, name: str) -> str:
+    names = queue_names(conn, make_tables(ctx.obj["prefix"]))
+    if name not in names:
+        known = ", ".join(names) if names else "none yet"
+        raise Fail(f"no queue named {name!r} (queues with messages: {known})")
+    return name
+
+
+def admin_queue(engine: sa.Engine, ctx: click.Context, name: str) -> DelayedQueue:
+    # Operations that move messages do not decode payloads: any serializer's rows qualify.
+    return DelayedQueue(engine, name, table_prefix=ctx.obj["prefix"], serializer=BytesSerializer())
+
+
+def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if not rows:
+        click.echo("(nothing)")
+        return
+    widths = {c: max(len(c), *(len(_cell(r[c])) for r in rows)) for c in columns}
+    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    for r in rows:
+        click.echo("  ".join(_cell(r[c]).ljust(widths[c]) for c in columns))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+# -- setup --------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--revision", default="heads", show_default=True, help="Alembic revision to upgrade to.")
 @click.option("--schema", default=None, help="Database schema of the tables.")
-def migrate(url: str, revision: str, prefix: str, schema: str | None) -> None:
+@click.pass_context
+@friendly
+def migrate(ctx: click.Context, revision: str, schema: str | None) -> None:
     """Create or upgrade delayq's tables (Alembic's upgrade on delayq's packaged migrations)."""
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa.exc.ArgumentError as exc:
-        raise click.UsageError(f"bad database URL {url!r}: {exc}") from None
-    try:
-        migrations.upgrade(url, revision, prefix=prefix, schema=schema)
-    except sa.exc.OperationalError as exc:
-        raise click.ClickException(f"cannot reach {parsed.render_as_string()}: {exc.orig}") from None
-    click.echo(f"delayq tables are at {revision} in {parsed.render_as_string()}")
+    url = ctx.obj["url"]
+    shown = sa.engine.make_url(url).render_as_string()
+    migrations.upgrade(url, revision, prefix=ctx.obj["prefix"], schema=schema)
+    click.echo(f"delayq tables are at {revision} in {shown}")
 
 
+@main.command()
+@click.option("--seconds", default=12.0, show_default=True, help="How long the worker runs.")
+@click.pass_context
+@friendly
+def demo(ctx: click.Context, seconds: float) -> None:
+    """A tour on the embedded default: offers, retries, a dead letter, a cron schedule, a worker."""
+    from delayq.demo import run_demo
+
+    run_demo(ctx.obj["url"], seconds)
+
+
+# -- workers ------------------------------------------------------------------------------------------
 def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     """Import ``module:attr`` where attr is a Handler class, an instance, or a list of them."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise click.BadParameter(f"expected module:attr, got {spec!r}")
+        raise Fail(f"expected module:attr, got {spec!r}")
     try:
         target = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise click.BadParameter(f"cannot load {spec!r}: {exc}") from None
+        raise Fail(f"cannot load {spec!r}: {exc}") from None
     items = list(target) if isinstance(target, list | tuple) else [target]
     for item in items:
         if not (isinstance(item, Handler) or (isinstance(item, type) and issubclass(item, Handler))):
-            raise click.BadParameter(f"{spec!r} holds {item!r}, not a Handler class or instance")
+            raise Fail(f"{spec!r} holds {item!r}, not a Handler class or instance")
     return items
 
 
 @main.command()
 @click.argument("handlers")
-@click.option(
-    "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
-)
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1), help="Handlers at once.")
 @click.option(
     "--shutdown-timeout",
@@ -72,13 +177,281 @@ def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     help="Seconds in-flight handlers may run on after SIGINT/SIGTERM.",
 )
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(handlers: str, url: str, concurrency: int, shutdown_timeout: float, log_level: str) -> None:
+@click.pass_context
+@friendly
+def worker(ctx: click.Context, handlers: str, concurrency: int, shutdown_timeout: float, log_level: str) -> None:
     """Run the handlers HANDLERS (module:attr) until SIGINT or SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
     loaded = load_handlers(handlers)
-    engine = sa.create_engine(url)
-    Worker(engine, loaded, concurrency=concurrency, shutdown_timeout=dt.timedelta(seconds=shutdown_timeout)).run()
+    engine = sa.create_engine(ctx.obj["url"])
+    with engine.connect():
+        pass  # fail now, with one line, if the database cannot be reached
+    Worker(
+        engine,
+        loaded,
+        concurrency=concurrency,
+        table_prefix=ctx.obj["prefix"],
+        shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
+    ).run()
     engine.dispose()
+
+
+# -- looking -------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("queue", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True)
+@click.option("--times", default=0, hidden=True, help="With --watch: stop after this many refreshes.")
+@click.pass_context
+@friendly
+def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, interval: float, times: int) -> None:
+    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message."""
+    shown = 0
+    while True:
+        with connect(ctx) as (engine, conn):
+            names = [existing_queue(ctx, conn, queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
+            rows = []
+            for name in names:
+                s = admin_queue(engine, ctx, name).stats(using=conn)
+                rows.append(
+                    {
+                        "queue": name,
+                        "ready": s.ready,
+                        "scheduled": s.scheduled,
+                        "in_flight": s.in_flight,
+                        "expired_locks": s.expired_locks,
+                        "dead": s.dead,
+                        "oldest_due_age_s": None
+                        if s.oldest_due_age is None
+                        else round(s.oldest_due_age.total_seconds(), 1),
+                    }
+                )
+        if watch and not as_json:
+            click.clear()
+            click.echo(dt.datetime.now().strftime("%H:%M:%S"))
+        emit(rows, as_json, ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due_age_s"])
+        shown += 1
+        if not watch or (times and shown >= times):
+            return
+        time.sleep(interval)
+
+
+@main.command(name="ls")
+@click.argument("queue")
+@click.option("--state", type=click.Choice([s.value for s in State]), help="Only messages in this state.")
+@click.option("--key-prefix", help="Only keys that start with this.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None, limit: int, as_json: bool) -> None:
+    """List a queue's messages (or dead letters) by due time."""
+    with connect(ctx) as (_, conn):
+        existing_queue(ctx, conn, queue)
+        found = list_messages(
+            conn,
+            make_tables(ctx.obj["prefix"]),
+            queue,
+            state=State(state) if state else None,
+            now=dt.datetime.now(dt.UTC),
+            key_prefix=key_prefix,
+            limit=limit,
+        )
+    emit([m.as_dict() for m in found], as_json, ["key", "state", "scheduled_at", "attempts", "last_error", "payload"])
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
+    """Everything about one message (or its dead letters)."""
+    tables = make_tables(ctx.obj["prefix"])
+    with connect(ctx) as (_, conn):
+        existing_queue(ctx, conn, queue)
+        now = dt.datetime.now(dt.UTC)
+        found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1) + list_messages(
+            conn, tables, queue, state=State.DEAD, now=now, key=key, limit=20
+        )
+    if not found:
+        raise Fail(f"no message {key!r} in queue {queue!r}")
+    rows = [m.as_dict() for m in found]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    for row in rows:
+        for name, value in row.items():
+            click.echo(f"{name:>13}: {_cell(value)}")
+        click.echo()
+
+
+# -- acting ---------------------------------------------------------------------------------------------
+DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
+UNITS = {"ms": "milliseconds", "s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``90s``, ``5m``, ``1h30m``, ``2d``."""
+    parts = DURATION.findall(text.replace(" ", ""))
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        raise Fail(f"bad duration {text!r}: use e.g. 90s, 5m, 1h30m, 2d")
+    return sum((dt.timedelta(**{UNITS[u]: float(n)}) for n, u in parts), dt.timedelta())
+
+
+def parse_time(text: str) -> dt.datetime:
+    """ISO 8601 with a UTC offset, e.g. 2030-01-01T09:00:00+01:00 or ...Z."""
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise Fail(f"bad time {text!r}: use ISO 8601 with an offset, e.g. 2030-01-01T09:00+01:00") from None
+    if value.tzinfo is None:
+        raise Fail(f"time {text!r} has no UTC offset: add one, e.g. {text}+00:00")
+    return value
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.option("--at", "at_text", help="When, ISO 8601 with an offset.")
+@click.option("--in", "in_text", help="How long from now, e.g. 90s, 5m, 1h30m.")
+@click.pass_context
+@friendly
+def reschedule(ctx: click.Context, queue: str, key: str, at_text: str | None, in_text: str | None) -> None:
+    """Change when a message runs."""
+    if (at_text is None) == (in_text is None):
+        raise Fail("give exactly one of --at TIME or --in DURATION")
+    at: dt.datetime | dt.timedelta = parse_time(at_text) if at_text else parse_duration(in_text or "")
+    _act(ctx, queue, key, lambda q: q.reschedule(key, at), "rescheduled")
+
+
+@main.command(name="run-now")
+@click.argument("queue")
+@click.argument("key")
+@click.pass_context
+@friendly
+def run_now(ctx: click.Context, queue: str, key: str) -> None:
+    """Make a message due now."""
+    _act(ctx, queue, key, lambda q: q.reschedule(key), "due now")
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.pass_context
+@friendly
+def cancel(ctx: click.Context, queue: str, key: str) -> None:
+    """Delete a message."""
+    _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+
+
+def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:
+    with connect(ctx) as (engine, conn):
+        existing_queue(ctx, conn, queue)
+        conn.rollback()  # hold nothing while the action runs on its own connection
+        if not action(admin_queue(engine, ctx, queue)):
+            raise Fail(f"no message {key!r} in queue {queue!r}")
+    click.echo(f"{queue} {key}: {done}")
+
+
+@main.group()
+def dead() -> None:
+    """Act on dead letters."""
+
+
+def _dead_keys(
+    ctx: click.Context, conn: sa.Connection, queue: str, key: str | None, key_prefix: str | None, everything: bool
+) -> list[str]:
+    if sum((key is not None, key_prefix is not None, everything)) != 1:
+        raise Fail("give exactly one of --key K, --key-prefix P or --all")
+    found = list_messages(
+        conn,
+        make_tables(ctx.obj["prefix"]),
+        queue,
+        state=State.DEAD,
+        now=dt.datetime.now(dt.UTC),
+        key=key,
+        key_prefix=key_prefix,
+        limit=10_000_000,
+    )
+    return list(dict.fromkeys(m.key for m in found))
+
+
+def _dead_command(verb: str) -> Callable[..., None]:
+    @click.argument("queue")
+    @click.option("--key", help="One key.")
+    @click.option("--key-prefix", help="Keys that start with this.")
+    @click.option("--all", "everything", is_flag=True, help="All of the queue's dead letters.")
+    @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+    @click.pass_context
+    @friendly
+    def command(
+        ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, everything: bool, yes: bool
+    ) -> None:
+        with connect(ctx) as (engine, conn):
+            existing_queue(ctx, conn, queue)
+            keys = _dead_keys(ctx, conn, queue, key, key_prefix, everything)
+        if not keys:
+            raise Fail(f"no dead letters match in queue {queue!r}")
+        if not yes:
+            click.confirm(f"{verb} {len(keys)} dead letter key(s) of {queue!r}?", abort=True)
+        engine = sa.create_engine(ctx.obj["url"])
+        q, done = admin_queue(engine, ctx, queue), 0
+        try:
+            with (
+                click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
+                if len(keys) > 100
+                else _plain(keys) as bar
+            ):
+                for k in bar:
+                    done += q.requeue_dead(k) if verb == "requeue" else q.purge_dead(key=k)
+        finally:
+            engine.dispose()
+        click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")
+
+    command.__doc__ = f"{verb.capitalize()} dead letters (asks first unless --yes)."
+    return command
+
+
+@contextmanager
+def _plain(keys: list[str]) -> Iterator[list[str]]:
+    yield keys
+
+
+dead.command(name="requeue")(_dead_command("requeue"))
+dead.command(name="purge")(_dead_command("purge"))
+
+
+# -- cron ----------------------------------------------------------------------------------------------
+@main.group()
+def cron() -> None:
+    """Look at installed cron schedules."""
+
+
+@cron.command(name="ls")
+@click.option("--queue", help="Only this queue.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def cron_ls(ctx: click.Context, queue: str | None, as_json: bool) -> None:
+    """Installed schedules: queue, prefix, configuration, next due times."""
+    key_shape = re.compile(rf"^(?P<prefix>[^/]+)/(?P<config>[0-9a-f]{{{HASH_LENGTH}}})/(?P<due>\d+)$")
+    m = make_tables(ctx.obj["prefix"]).messages
+    stmt = sa.select(m.c.queue, m.c.key).where(m.c.key.like("%/%/%")).order_by(m.c.queue, m.c.scheduled_at_initially)
+    if queue:
+        stmt = stmt.where(m.c.queue == queue)
+    schedules: dict[tuple[str, str, str], list[str]] = {}
+    with connect(ctx) as (_, conn):
+        for q, key in conn.execute(stmt):
+            if match := key_shape.match(key):
+                due = dt.datetime.fromtimestamp(int(match["due"]) / 1000, dt.UTC).isoformat()
+                schedules.setdefault((q, match["prefix"], match["config"]), []).append(due)
+    rows = [{"queue": q, "prefix": p, "config": c, "next_due": dues[:3]} for (q, p, c), dues in schedules.items()]
+    emit(rows, as_json, ["queue", "prefix", "config", "next_due"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,131 @@
+"""Read-only views for operators: which queues exist, and their messages by state, whatever their serializer."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from delayq.clock import from_ms, to_ms
+from delayq.dialects.base import LIKE_ESCAPE, starts_with
+from delayq.schema import Tables
+
+
+class State(enum.Enum):
+    """Where a live message stands (dead letters live in their own table)."""
+
+    READY = "ready"
+    SCHEDULED = "scheduled"
+    IN_FLIGHT = "in-flight"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A message or dead letter as stored, its payload shown as the serializer tag allows."""
+
+    queue: str
+    key: str
+    state: State
+    payload_type: str
+    payload: Any
+    scheduled_at: dt.datetime | None
+    attempts: int
+    last_error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "key": self.key,
+            "state": self.state.value,
+            "payload_type": self.payload_type,
+            "payload": self.payload,
+            "scheduled_at": None if self.scheduled_at is None else self.scheduled_at.isoformat(),
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+        }
+
+
+def show_payload(payload_type: str, data: bytes) -> Any:
+    """JSON and text payloads as values; anything else as hex."""
+    raw = bytes(data)
+    try:
+        if payload_type == "json":
+            return json.loads(raw)
+        if payload_type == "text":
+            return raw.decode()
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return raw.hex()
+
+
+def queue_names(conn: sa.Connection, tables: Tables) -> list[str]:
+    """Every queue with live messages or dead letters."""
+    m, dead = tables.messages, tables.dead_letters
+    names = sa.union(sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct())
+    return sorted(conn.execute(names).scalars())
+
+
+def list_messages(
+    conn: sa.Connection,
+    tables: Tables,
+    queue: str,
+    *,
+    state: State | None,
+    now: dt.datetime,
+    key_prefix: str | None = None,
+    key: str | None = None,
+    limit: int = 100,
+) -> list[StoredMessage]:
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time."""
+    if state is State.DEAD:
+        t = tables.dead_letters
+        stmt = sa.select(
+            t.c.key,
+            t.c.payload_type,
+            t.c.payload,
+            t.c.attempts,
+            t.c.last_error,
+            sa.null().label("scheduled_at"),
+            sa.null().label("lock_token"),
+        ).order_by(t.c.id)
+    else:
+        t = tables.messages
+        stmt = sa.select(
+            t.c.key, t.c.payload_type, t.c.payload, t.c.attempts, t.c.last_error, t.c.scheduled_at, t.c.lock_token
+        ).order_by(t.c.scheduled_at, t.c.id)
+        now_ms = to_ms(now)
+        if state is State.READY:
+            stmt = stmt.where(t.c.scheduled_at <= now_ms, t.c.lock_token.is_(None))
+        elif state is State.SCHEDULED:
+            stmt = stmt.where(t.c.scheduled_at > now_ms, t.c.lock_token.is_(None))
+        elif state is State.IN_FLIGHT:
+            stmt = stmt.where(t.c.lock_token.is_not(None))
+    stmt = stmt.where(t.c.queue == queue).limit(limit)
+    if key_prefix:
+        stmt = stmt.where(t.c.key.like(starts_with(key_prefix), escape=LIKE_ESCAPE))
+    if key is not None:
+        stmt = stmt.where(t.c.key == key)
+    return [
+        StoredMessage(
+            queue=queue,
+            key=r.key,
+            state=state if state is State.DEAD else _state(r.scheduled_at, r.lock_token, now),
+            payload_type=r.payload_type,
+            payload=show_payload(r.payload_type, r.payload),
+            scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
+            attempts=r.attempts,
+            last_error=r.last_error,
+        )
+        for r in conn.execute(stmt)
+    ]
+
+
+def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State:
+    if lock_token is not None:
+        return State.IN_FLIGHT
+    return State.READY if scheduled_at <= to_ms(now) else State.SCHEDULED

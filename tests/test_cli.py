@@ -1,0 +1,142 @@
+"""The delayq command on every backend (click's runner), and as a real process for demo."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import Backend
+
+from delayq import DelayedQueue
+from delayq.cli import main
+
+
+def cli(backend: Backend, *args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(main, ["--url", backend.url, *args], input=input, catch_exceptions=False)
+
+
+@pytest.fixture
+def filled(backend: Backend, queue_name: str) -> DelayedQueue:
+    """ready-2 ready, ready-1 in flight, later scheduled, dead-1 and dead-2 dead."""
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(k, {"k": k}, None) for k in ("ready-1", "ready-2", "dead-1", "dead-2")])
+    q.offer("later", {"k": "later"}, at=dt.timedelta(hours=1))
+    held = {d.key: d for d in q.try_poll_many(10)}
+    assert held["dead-1"].dead_letter("bad") and held["dead-2"].dead_letter("bad")
+    assert q.release([held["ready-2"]]) == 1
+    return q
+
+
+def test_stats_and_ls(backend: Backend, filled: DelayedQueue) -> None:
+    out = cli(backend, "stats", filled.name, "--json")
+    assert out.exit_code == 0, out.output
+    [row] = json.loads(out.output)
+    assert (row["ready"], row["scheduled"], row["in_flight"], row["dead"]) == (1, 1, 1, 2)
+    assert filled.name in cli(backend, "stats").output
+    assert cli(backend, "stats", filled.name, "--watch", "--times", "2", "--interval", "0").exit_code == 0
+
+    ls = json.loads(cli(backend, "ls", filled.name, "--json").output)
+    assert [(m["key"], m["state"]) for m in ls] == [
+        ("ready-2", "ready"),
+        ("ready-1", "in-flight"),
+        ("later", "scheduled"),
+    ]
+    assert [m["key"] for m in json.loads(cli(backend, "ls", filled.name, "--state", "dead", "--json").output)] == [
+        "dead-1",
+        "dead-2",
+    ]
+    assert [
+        m["key"]
+        for m in json.loads(cli(backend, "ls", filled.name, "--key-prefix", "ready", "--limit", "1", "--json").output)
+    ] == ["ready-2"]
+    table = cli(backend, "ls", filled.name).output
+    assert "KEY" in table and "ready-2" in table
+
+
+def test_show_reschedule_run_now_cancel(backend: Backend, filled: DelayedQueue) -> None:
+    shown = json.loads(cli(backend, "show", filled.name, "ready-2", "--json").output)
+    assert shown[0]["payload"] == {"k": "ready-2"}
+    assert cli(backend, "reschedule", filled.name, "ready-2", "--in", "1h30m").exit_code == 0
+    assert filled.stats().scheduled == 2
+    assert cli(backend, "reschedule", filled.name, "ready-2", "--at", "2099-01-01T00:00:00+00:00").exit_code == 0
+    assert filled.get("ready-2").scheduled_at.year == 2099
+    assert cli(backend, "run-now", filled.name, "later").exit_code == 0
+    assert filled.stats().ready == 1
+    assert cli(backend, "cancel", filled.name, "later").exit_code == 0
+    assert filled.get("later") is None
+
+
+def test_dead_requeue_and_purge(backend: Backend, filled: DelayedQueue) -> None:
+    declined = cli(backend, "dead", "requeue", filled.name, "--key", "dead-1", input="n\n")
+    assert declined.exit_code == 1 and filled.stats().dead == 2
+    assert cli(backend, "dead", "requeue", filled.name, "--key", "dead-1", input="y\n").exit_code == 0
+    assert filled.get("dead-1") is not None
+    out = cli(backend, "dead", "purge", filled.name, "--all", "--yes")
+    assert out.exit_code == 0 and "1 dead letter(s) purged" in out.output
+    assert filled.stats().dead == 0
+
+
+def test_cron_ls(backend: Backend, queue_name: str) -> None:
+    from delayq import CronService
+
+    cron = CronService(DelayedQueue(backend.engine, queue_name))
+    schedule = cron.install_cron("nightly", "0 3 * * *", tz="Europe/Berlin")
+    rows = json.loads(cli(backend, "cron", "ls", "--queue", queue_name, "--json").output)
+    assert [(r["prefix"], r["config"], len(r["next_due"])) for r in rows] == [("nightly", schedule.config_hash, 3)]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "no-such-queue"],
+        ["show", "{queue}", "no-such-key"],
+        ["reschedule", "{queue}", "ready-2", "--in", "soon"],
+        ["reschedule", "{queue}", "ready-2", "--at", "2030-01-01T09:00"],
+        ["reschedule", "{queue}", "ready-2"],
+        ["cancel", "{queue}", "no-such-key"],
+        ["dead", "purge", "{queue}"],
+        ["worker", "no_such_module:handlers"],
+    ],
+)
+def test_bad_input_says_what_to_do_in_one_line(backend: Backend, filled: DelayedQueue, args: list[str]) -> None:
+    out = cli(backend, *[a.format(queue=filled.name) for a in args])
+    assert out.exit_code == 2, out.output
+    assert "Traceback" not in out.output
+    assert len([line for line in out.output.splitlines() if line.startswith("Error")]) == 1, out.output
+
+
+@pytest.mark.parametrize(
+    "url", ["nonsense", "postgresql+psycopg://nobody@127.0.0.1:1/none", "oracle+oracledb://u:p@localhost/x"]
+)
+def test_bad_or_unreachable_databases(url: str) -> None:
+    out = CliRunner().invoke(main, ["--url", url, "stats"])
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert out.output.startswith("Error: "), out.output
+
+
+def test_missing_tables(tmp_path: Path) -> None:
+    out = CliRunner().invoke(main, ["--url", f"sqlite:///{tmp_path / 'empty.db'}", "ls", "q"])
+    assert out.exit_code == 2 and "delayq migrate" in out.output, out.output
+
+
+def test_demo_runs_as_a_process_and_leaves_a_database_to_look_at(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DELAYQ_URL"}
+    run = [sys.executable, "-m", "delayq.cli"]
+    done = subprocess.run(
+        [*run, "demo", "--seconds", "8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "summary:" in done.stdout and "dead letter email-7" in done.stdout
+    assert (tmp_path / "delayq.db").exists()
+    stats = subprocess.run([*run, "stats", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert {r["queue"] for r in json.loads(stats.stdout)} == {"demo-emails", "demo-ticks"}
+    listed = subprocess.run(
+        [*run, "ls", "demo-emails", "--state", "dead"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert "email-7" in listed.stdout and "email-10" in listed.stdout
