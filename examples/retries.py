@@ -37,8 +37,9 @@ def main(url: str) -> None:
     engine = sa.create_engine(url)
     worker = Worker(engine, [ChargeCard], clock=clock)
     charges = worker.queues[0]
-    for outcome in charges.offer_many([(f"order-{card}", {"card": card}, None)
-                                       for card in ("ok", "busy-gateway", "expired", "fraud-check")]):
+    for outcome in charges.offer_many(
+        [(f"order-{card}", {"card": card}, None) for card in ("ok", "busy-gateway", "expired", "fraud-check")]
+    ):
         assert outcome.value in ("created", "ignored")
     for _ in range(12):  # one minute of (manual) time per round
         worker.run_once()

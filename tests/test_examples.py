@@ -22,8 +22,11 @@ def run(args: list[str], cwd: Path = REPO_ROOT) -> str:
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_runs(backend: Backend, example: str) -> None:
     out = run([str(REPO_ROOT / "examples" / example), backend.url])
-    expected = {"quickstart.py": "(attempt 2)", "retries.py": "charged order-busy-gateway on attempt 3",
-                "cron_schedule.py": "report for Fri 11 Jan 09:00"}[example]
+    expected = {
+        "quickstart.py": "(attempt 2)",
+        "retries.py": "charged order-busy-gateway on attempt 3",
+        "cron_schedule.py": "report for Fri 11 Jan 09:00",
+    }[example]
     assert expected in out
 
 
