@@ -91,12 +91,9 @@ def _reachable(url: str) -> Exception | None:
         engine.dispose()
 
 
-def _fresh_schema(url: str) -> None:
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with engine.begin() as conn:
-        metadata.drop_all(conn)
-        conn.execute(sa.text(f"DROP TABLE IF EXISTS {migrations.version_table()}"))
-    engine.dispose()
+def _migrated(url: str) -> None:
+    """delayq's tables at head. Not dropped first: test sessions sharing a server must not clobber each
+    other, and every test works in a queue of its own."""
     migrations.upgrade(url)
 
 
@@ -127,7 +124,7 @@ _backends: dict[str, Backend] = {}
 def _backend(name: str, urls: dict[str, str]) -> Backend:
     """The named backend, migrated with delayq's own migrations at first use."""
     if name not in _backends:
-        _fresh_schema(urls[name])
+        _migrated(urls[name])
         _backends[name] = Backend(name, urls[name], make_engine(urls[name]))
     return _backends[name]
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO_ROOT, Backend
 
 EXAMPLES = sorted(p.name for p in (REPO_ROOT / "examples").glob("*.py"))
+EXTRA_ARGS = {"spark_pipeline.py": ["--rows", "2000"]}
 
 
 def run(args: list[str], cwd: Path = REPO_ROOT) -> str:
@@ -21,11 +22,12 @@ def run(args: list[str], cwd: Path = REPO_ROOT) -> str:
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_runs(backend: Backend, example: str) -> None:
-    out = run([str(REPO_ROOT / "examples" / example), backend.url])
+    out = run([str(REPO_ROOT / "examples" / example), backend.url, *EXTRA_ARGS.get(example, [])])
     expected = {
         "quickstart.py": "(attempt 2)",
         "retries.py": "charged order-busy-gateway on attempt 3",
         "cron_schedule.py": "report for Fri 11 Jan 09:00",
+        "spark_pipeline.py": "run 2: created 0, updated 0, ignored 2000",
     }[example]
     assert expected in out
 
