@@ -155,7 +155,7 @@ def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(backend_urls: dict
         url = backend_urls[name] if name != "sqlite" else f"sqlite:///{tmp_path / 'fresh.db'}"
         env = {**os.environ, "DELAYQ_URL": url}
         done = subprocess.run(
-            [delayq_cli, "migrate", "--prefix", "pip_"], cwd=tmp_path, env=env, capture_output=True, text=True
+            [delayq_cli, "--prefix", "pip_", "migrate"], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
