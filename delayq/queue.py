@@ -554,23 +554,19 @@ def _due(at: At) -> tuple[int | None, int | None]:
 
 def check_key(key: object) -> str:
     """Return a valid message key or raise ``InvalidKeyError``."""
-    if not isinstance(key, str):
-        raise InvalidKeyError(f"key must be a str, got {type(key).__name__}")
-    if not key:
-        raise InvalidKeyError("key must not be empty")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKeyError(f"key is {len(key)} characters long; at most {MAX_KEY_LENGTH} fit: {key[:40]!r}...")
-    return key
+    return _check_name(key, "key", MAX_KEY_LENGTH, InvalidKeyError)
 
 
 def check_queue_name(name: object) -> str:
     """Return a valid queue name or raise ``InvalidQueueError``."""
-    if not isinstance(name, str):
-        raise InvalidQueueError(f"queue name must be a str, got {type(name).__name__}")
-    if not name:
-        raise InvalidQueueError("queue name must not be empty")
-    if len(name) > MAX_QUEUE_LENGTH:
-        raise InvalidQueueError(
-            f"queue name is {len(name)} characters long; at most {MAX_QUEUE_LENGTH} fit: {name[:40]!r}..."
-        )
-    return name
+    return _check_name(name, "queue name", MAX_QUEUE_LENGTH, InvalidQueueError)
+
+
+def _check_name(value: object, what: str, limit: int, error: type[InvalidInputError]) -> str:
+    if not isinstance(value, str):
+        raise error(f"{what} must be a str, got {type(value).__name__}")
+    if not value:
+        raise error(f"{what} must not be empty")
+    if len(value) > limit:
+        raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
+    return value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -28,6 +29,17 @@ class Tables:
     dead_letters: sa.Table
 
 
+def _message_columns() -> list[sa.Column[Any]]:
+    """The columns a live message and a dead letter share (new objects for each table)."""
+    return [
+        sa.Column("id", BigId, primary_key=True, autoincrement=True),
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
+        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
+        sa.Column("payload", Payload, nullable=False),
+        sa.Column("payload_type", sa.String(100), nullable=False),
+    ]
+
+
 @functools.cache
 def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tables:
     """The tables named ``{prefix}messages`` and ``{prefix}dead_letters`` in ``schema``."""
@@ -35,11 +47,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
     messages = sa.Table(
         f"{prefix}messages",
         md,
-        sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
-        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
-        sa.Column("payload", Payload, nullable=False),
-        sa.Column("payload_type", sa.String(100), nullable=False),
+        *_message_columns(),
         sa.Column("scheduled_at", sa.BigInteger, nullable=False),
         sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),
         sa.Column("created_at", sa.BigInteger, nullable=False),
@@ -54,11 +62,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
     dead_letters = sa.Table(
         f"{prefix}dead_letters",
         md,
-        sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
-        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
-        sa.Column("payload", Payload, nullable=False),
-        sa.Column("payload_type", sa.String(100), nullable=False),
+        *_message_columns(),
         sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),
         sa.Column("created_at", sa.BigInteger, nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),
