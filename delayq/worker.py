@@ -104,7 +104,6 @@ class Worker:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()  # not running
-        self._pool: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
         self.handled = 0
         """Deliveries finished (acked, retried or dead-lettered) so far."""
@@ -134,7 +133,6 @@ class Worker:
         """Handle every message due now, then return how many were handled. For tests and scripts."""
         done = 0
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="delayq-handler") as pool:
-            self._pool = pool
             while True:
                 started = self._fetch(pool)
                 if not started:
@@ -143,19 +141,18 @@ class Worker:
                     assert running.future is not None
                     running.future.result()
                 done += len(started)
-        self._pool = None
         return done
 
     # -- the loop -------------------------------------------------------------------------------
     def _serve(self) -> None:
         self._stopped.clear()
         helpers = [threading.Thread(target=self._heartbeat, name="delayq-heartbeat", daemon=True)]
-        if self._listen and dialect_for(self.engine).name == "postgresql":
+        if self._listen and dialect_for(self.engine).can_notify:
             helpers.append(threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True))
         for t in helpers:
             t.start()
         log.info("worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
-        pool = self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="delayq-handler")
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="delayq-handler")
         try:
             self._fetch_loop(pool)
         finally:
@@ -178,10 +175,7 @@ class Worker:
                 log.warning("fetch failed (%s); retrying in %.1fs", exc, pause)
                 self._stopping.wait(pause)
                 continue
-            if started and self._free_slots() == 0:
-                idle_sleep = MIN_IDLE_SLEEP
-                continue  # full: fetch again as soon as a slot frees
-            if started:
+            if started:  # more may be due: fetch again at once (or as soon as a slot frees)
                 idle_sleep = MIN_IDLE_SLEEP
                 continue
             timeout = min(idle_sleep, self.poll_interval, self._until_next_due())
@@ -305,12 +299,10 @@ class Worker:
             self._stopped.wait(0.05)
 
     def _listen_loop(self) -> None:
-        from delayq.dialects.postgresql import listen
-
-        errors = 0
+        dialect, errors = dialect_for(self.engine), 0
         while not self._stopped.is_set():
             try:
-                for queue_name in listen(self.engine, self._channel, self._stopped):
+                for queue_name in dialect.listen(self.engine, self._channel, self._stopped):
                     errors = 0
                     if queue_name in self._queues:
                         self._wake.set()

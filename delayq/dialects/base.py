@@ -9,7 +9,8 @@ transaction, and how to read its driver's error codes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -260,6 +261,10 @@ class Dialect:
     def notify_statement(self, tables: Tables) -> sa.Executable | None:
         """A statement that wakes the workers listening for ``:queue_name``."""
         return None
+
+    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
+        """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``)."""
+        raise NotImplementedError(f"{self.name} has no notifications")
 
     # -- transactions ---------------------------------------------------------------------------
     #: Whether the claim is one statement (then it needs no explicit transaction).

@@ -52,6 +52,16 @@ class PostgresDialect(Dialect):
     def notify_statement(self, tables: Tables) -> sa.Executable:
         return sa.select(sa.func.pg_notify(tables.messages.name, sa.bindparam("queue_name", type_=sa.String)))
 
+    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
+        from psycopg import sql as psycopg_sql
+
+        cargs, cparams = engine.dialect.create_connect_args(engine.url)
+        with engine.dialect.loaded_dbapi.connect(*cargs, **{**cparams, "autocommit": True}) as conn:
+            conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+            while not stop.is_set():
+                for notice in conn.notifies(timeout=0.5):
+                    yield notice.payload
+
     def start_owned(self, conn: Connection, mode: Mode) -> None:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
         # (psycopg switches autocommit without one).
@@ -156,15 +166,3 @@ def _insert_unnest(stmts: Statements) -> sa.Insert:
         .on_conflict_do_nothing(index_elements=["queue", "key"])
         .returning(m.c.key, m.c.queue)
     )
-
-
-def listen(engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
-    """Yield the payloads (queue names) notified on ``channel`` until ``stop`` is set."""
-    from psycopg import sql as psycopg_sql
-
-    cargs, cparams = engine.dialect.create_connect_args(engine.url)
-    with engine.dialect.loaded_dbapi.connect(*cargs, **{**cparams, "autocommit": True}) as conn:
-        conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
-        while not stop.is_set():
-            for notice in conn.notifies(timeout=0.5):
-                yield notice.payload
