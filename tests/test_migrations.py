@@ -145,7 +145,9 @@ def test_delayq_as_a_branch_of_an_applications_alembic(name: str, backend_urls: 
 
 
 @pytest.mark.slow
-def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(backend_urls: dict[str, str], tmp_path: Path) -> None:
+def test_delayq_migrate_and_demo_after_a_pip_install_into_a_fresh_venv(
+    backend_urls: dict[str, str], tmp_path: Path
+) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -164,3 +166,15 @@ def test_delayq_migrate_after_a_pip_install_into_a_fresh_venv(backend_urls: dict
         finally:
             migrations.downgrade(url, prefix="pip_")
             engine.dispose()
+    # The demo, as a newcomer runs it after `pip install .`: no URL, the embedded default.
+    env = {k: v for k, v in os.environ.items() if k != "DELAYQ_URL"}
+    demo_dir = tmp_path / "newcomer"
+    demo_dir.mkdir()
+    demo = subprocess.run(
+        [delayq_cli, "demo", "--seconds", "6"], cwd=demo_dir, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert (demo_dir / "delayq.db").exists()
+    for look, expected in ((["stats"], "demo-emails"), (["ls", "demo-emails", "--state", "dead"], "email-7")):
+        shown = subprocess.run([delayq_cli, *look], cwd=demo_dir, env=env, capture_output=True, text=True)
+        assert shown.returncode == 0 and expected in shown.stdout, shown.stdout + shown.stderr
