@@ -74,8 +74,10 @@ class LostMessages(AssertionError):
     pass
 
 
-def make_engine(backend: str, tmp: Path) -> sa.Engine:
+def make_engine(backend: str, tmp: Path | None = None) -> sa.Engine:
     if backend == "sqlite":
+        if tmp is None:
+            raise ValueError("SQLite needs a directory for its file")
         engine = sa.create_engine(f"sqlite:///{tmp / 'bench.db'}", connect_args={"timeout": 30})
 
         @sa.event.listens_for(engine, "connect")

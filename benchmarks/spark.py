@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     df = spark.range(n, numPartitions=8).select(F.format_string("k%09d", "id").alias("key"), F.col("id").alias("n"))
     df.cache().count()
     for backend in args.backends.split(","):
-        engine = make_engine(backend, None)  # type: ignore[arg-type]
+        engine = make_engine(backend)
         url = engine.url.render_as_string(hide_password=False)
         migrations.upgrade(url, prefix=PREFIX)
         q = DelayedQueue(engine, "bench", table_prefix=PREFIX)

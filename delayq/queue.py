@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
@@ -206,11 +207,8 @@ class DelayedQueue:
         (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL/MariaDB.) Pass it as ``using=``
         to make queue operations part of the same unit of work as your own statements.
         """
-        with self.engine.connect() as conn:
-            self._runner.dialect.verify(conn)
-            self._runner.dialect.start_owned(conn, "transaction")
+        with self._runner.owned("transaction") as conn:
             yield conn
-            conn.commit()
 
     def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many."""
@@ -245,7 +243,7 @@ class DelayedQueue:
         params = {"msg_id": d.id, "token": d.lock_token, "by": by_ms, **self._now_param()}
         return self._held_update(lambda s: s.extend, params, using)
 
-    def _held_update(self, pick: Any, params: dict[str, Any], using: Using) -> bool:
+    def _held_update(self, pick: Callable[[Statements], sa.Executable], params: dict[str, Any], using: Using) -> bool:
         def op(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(pick(self._statements(dialect)), params).rowcount == 1)
 

@@ -9,10 +9,11 @@ transient errors reach the caller, who owns the transaction.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -79,12 +80,8 @@ class Runner:
         attempt = 0
         while True:
             try:
-                with engine.connect() as conn:
-                    self.dialect.verify(conn)
-                    self.dialect.start_owned(conn, mode)
-                    result = operation(conn, self.dialect)
-                    conn.commit()
-                    return result
+                with self.owned(mode, engine) as conn:
+                    return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
                 if not self.dialect.is_transient(exc) or attempt >= self.retry.attempts:
@@ -99,6 +96,15 @@ class Runner:
                     exc.orig,
                 )
                 time.sleep(pause)
+
+    @contextlib.contextmanager
+    def owned(self, mode: Mode, engine: Engine | None = None) -> Iterator[Connection]:
+        """A fresh connection, its transaction begun as ``mode`` needs; committed when the block ends well."""
+        with (engine or self.engine).connect() as conn:
+            self.dialect.verify(conn)
+            self.dialect.start_owned(conn, mode)
+            yield conn
+            conn.commit()
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:
         if self.dialect.is_missing_table(exc):

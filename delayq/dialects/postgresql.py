@@ -93,8 +93,13 @@ class PostgresDialect(Dialect):
         # One array parameter per column (INSERT ... SELECT FROM unnest): the statement stays
         # small and cached whatever the batch size, instead of 7 parameters per row.
         columns = {column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}
-        stmt = _insert_unnest(stmts)
-        return set(conn.execute(self.notifying(stmt, stmts.tables) if stmts.notifies else stmt, columns).scalars())
+        return set(conn.execute(self._insert_unnest(stmts), columns).scalars())
+
+    @functools.cache  # noqa: B019 - one dialect object per engine, kept for the engine's life
+    def _insert_unnest(self, stmts: Statements) -> sa.Executable:
+        """Built once per statement set, wrapped to NOTIFY when the set does."""
+        insert = _insert_unnest(stmts)
+        return self.notifying(insert, stmts.tables) if stmts.notifies else insert
 
     def claim(
         self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
