@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection, Engine
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import cancel_prefix_statement, coalesce_statements, purge_dead_statement, starts_with
+from delayq.direct import Executes
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
@@ -92,10 +93,10 @@ class DelayedQueue:
         """
         params = self._offer_params(key, payload, at)
 
-        def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
+        def op(conn: Executes, dialect: Dialect) -> OfferOutcome:
             return self._offer_one(conn, dialect, self._statements(dialect), params, update)
 
-        return self._runner.run(using, op, "statement" if not update else "transaction")
+        return self._runner.run_direct(using, op, "statement" if not update else "transaction")
 
     def offer_many(
         self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
@@ -151,7 +152,7 @@ class DelayedQueue:
 
         unreadable: list[ClaimedRow] = []
 
-        def op(conn: Connection, dialect: Dialect) -> list[Delivery]:
+        def op(conn: Executes, dialect: Dialect) -> list[Delivery]:
             params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
             rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
             try:
@@ -161,7 +162,7 @@ class DelayedQueue:
                 raise
 
         try:
-            return self._runner.run(using, op, self._runner.dialect.claim_mode)
+            return self._runner.run_direct(using, op, self._runner.dialect.claim_mode)
         except SerializationMismatchError:
             self._unclaim([(r.id, token, r.due_at) for r in unreadable], using)
             raise
@@ -179,11 +180,11 @@ class DelayedQueue:
         if not params:
             return 0
 
-        def op(conn: Connection, dialect: Dialect) -> int:
+        def op(conn: Executes, dialect: Dialect) -> int:
             stmt = self._statements(dialect).unclaim
             return sum(conn.execute(stmt, p).rowcount for p in params)
 
-        return self._runner.run(using, op, "transaction")
+        return self._runner.run_direct(using, op, "transaction")
 
     def next_due(self, *, using: Using = None) -> dt.timedelta | None:
         """How long until this queue's next message is due (zero when one is due now); None when empty.
@@ -192,13 +193,13 @@ class DelayedQueue:
         """
         params = {"queue_name": self.name, **self._now_param()}
 
-        def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
-            row = conn.execute(self._statements(dialect).next_due, params).one()
+        def op(conn: Executes, dialect: Dialect) -> dt.timedelta | None:
+            row = conn.execute(self._statements(dialect).next_due, params).first()
             if row.next_due is None:
                 return None
             return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
 
-        return self._runner.run(using, op, "read")
+        return self._runner.run_direct(using, op, "read")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -220,11 +221,11 @@ class DelayedQueue:
         if not by_token:
             return 0
 
-        def op(conn: Connection, dialect: Dialect) -> int:
+        def op(conn: Executes, dialect: Dialect) -> int:
             stmt = self._statements(dialect).ack
             return sum(conn.execute(stmt, {"token": t, "ids": ids}).rowcount for t, ids in by_token.items())
 
-        return self._runner.run(using, op, "statement" if len(by_token) == 1 else "transaction")
+        return self._runner.run_direct(using, op, "statement" if len(by_token) == 1 else "transaction")
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {
@@ -244,10 +245,10 @@ class DelayedQueue:
         return self._held_update(lambda s: s.extend, params, using)
 
     def _held_update(self, pick: Callable[[Statements], sa.Executable], params: dict[str, Any], using: Using) -> bool:
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(pick(self._statements(dialect)), params).rowcount == 1)
 
-        return self._runner.run(using, op, "statement")
+        return self._runner.run_direct(using, op, "statement")
 
     def _dead_letter(self, d: Delivery, error: str | None, using: Using) -> bool:
         held = {"msg_id": d.id, "token": d.lock_token, **self._now_param()}
@@ -281,7 +282,7 @@ class DelayedQueue:
         """The message stored under ``key``, or None."""
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
-        def op(conn: Connection, dialect: Dialect) -> Message | None:
+        def op(conn: Executes, dialect: Dialect) -> Message | None:
             row = conn.execute(self._statements(dialect).get, params).first()
             if row is None:
                 return None
@@ -296,16 +297,16 @@ class DelayedQueue:
                 locked=row.lock_token is not None,
             )
 
-        return self._runner.run(using, op, "read")
+        return self._runner.run_direct(using, op, "read")
 
     def cancel(self, key: str, *, using: Using = None) -> bool:
         """Delete the message stored under ``key``; True when there was one."""
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
 
-        return self._runner.run(using, op, "statement")
+        return self._runner.run_direct(using, op, "statement")
 
     def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
         """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).
@@ -321,10 +322,10 @@ class DelayedQueue:
             **self._now_param(),
         }
 
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
 
-        return self._runner.run(using, op, "statement")
+        return self._runner.run_direct(using, op, "statement")
 
     def stats(self, *, using: Using = None) -> QueueStats:
         """Counts of this queue's messages by state, and the age of the oldest due one."""
@@ -464,7 +465,7 @@ class DelayedQueue:
         }
 
     def _offer_one(
-        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
+        self, conn: Executes, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
     ) -> OfferOutcome:
         while True:
             if dialect.insert_if_absent(conn, stmts, params):

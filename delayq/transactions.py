@@ -22,13 +22,16 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from delayq.dialects import Dialect, Mode, dialect_for
+from delayq.direct import DirectConnection, Executes, watched
 from delayq.errors import SchemaMissingError
 from delayq.schema import Tables
 
 log = logging.getLogger("delayq")
 T = TypeVar("T")
+C = TypeVar("C")
 Using = Engine | Connection | Session | None
 Operation = Callable[[Connection, Dialect], T]
+DirectOperation = Callable[[Executes, Dialect], T]
 
 
 @dataclass(frozen=True)
@@ -65,22 +68,36 @@ class Runner:
         ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
         """
         if using is None or isinstance(using, Engine):
-            return self._run_owned(using or self.engine, operation, mode)
-        conn = using.connection() if isinstance(using, Session) else using
-        if not isinstance(conn, Connection):
-            raise TypeError(f"using= takes an Engine, a Connection or a Session, not {type(using).__name__}")
+            engine = using or self.engine
+            return self._retrying(lambda: self.owned(mode, engine), operation)
+        return self._in_caller(_caller_connection(using), operation)
+
+    def run_direct(self, using: Using, operation: DirectOperation[T], mode: Mode) -> T:
+        """Like ``run``, for operations that only execute statements: in delayq's own transaction
+        they run on the driver's connection directly (see ``delayq.direct``)."""
+        if using is not None and not isinstance(using, Engine):
+            return self._in_caller(_caller_connection(using), operation)
+        engine = using or self.engine
+        if watched(engine):
+            return self._retrying(lambda: self.owned(mode, engine), operation)
+        return self._retrying(lambda: self._owned_direct(mode, engine), operation)
+
+    def _in_caller(self, conn: Connection, operation: Operation[T]) -> T:
         try:
-            self.dialect.verify(conn)
+            self.dialect.verify()
             return operation(conn, self.dialect)
         except DBAPIError as exc:
             self._raise_if_schema_missing(exc)
             raise
 
-    def _run_owned(self, engine: Engine, operation: Operation[T], mode: Mode) -> T:
+    def _retrying(
+        self, transaction: Callable[[], contextlib.AbstractContextManager[C]], operation: Callable[[C, Dialect], T]
+    ) -> T:
+        """Run ``operation`` in a fresh owned transaction, again on transient errors."""
         attempt = 0
         while True:
             try:
-                with self.owned(mode, engine) as conn:
+                with transaction() as conn:
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
@@ -101,10 +118,41 @@ class Runner:
     def owned(self, mode: Mode, engine: Engine | None = None) -> Iterator[Connection]:
         """A fresh connection, its transaction begun as ``mode`` needs; committed when the block ends well."""
         with (engine or self.engine).connect() as conn:
-            self.dialect.verify(conn)
-            self.dialect.start_owned(conn, mode)
+            self.dialect.verify()
+            start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.connection.dbapi_connection))
+            if start.autocommit:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            for sql in start.sql:
+                conn.exec_driver_sql(sql)
             yield conn
-            conn.commit()
+            if start.commit:
+                conn.commit()
+
+    @contextlib.contextmanager
+    def _owned_direct(self, mode: Mode, engine: Engine) -> Iterator[DirectConnection]:
+        """``owned`` on the driver's connection: the same start, commit and pool reset."""
+        conn = DirectConnection(engine.raw_connection(), engine.dialect)
+        clean = False
+        try:
+            self.dialect.verify()
+            start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.dbapi_connection))
+            if start.autocommit:
+                engine.dialect.set_isolation_level(conn.dbapi_connection, "AUTOCOMMIT")
+            try:
+                for sql in start.sql:
+                    conn.exec_driver_sql(sql)
+                yield conn
+                if start.commit:
+                    conn.commit()
+                clean = True  # no transaction left open
+            finally:
+                if start.autocommit and conn.pooled.is_valid:
+                    try:
+                        engine.dialect.reset_isolation_level(conn.dbapi_connection)
+                    except engine.dialect.loaded_dbapi.Error as exc:
+                        conn.pooled.invalidate(exc)
+        finally:
+            conn.close(clean=clean)
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:
         if self.dialect.is_missing_table(exc):
@@ -113,3 +161,10 @@ class Runner:
                 f"delayq's tables ({names}) do not exist in this database: run "
                 "`delayq migrate --url URL` (or `alembic upgrade heads` with delayq's migrations)"
             ) from exc
+
+
+def _caller_connection(using: Connection | Session) -> Connection:
+    conn = using.connection() if isinstance(using, Session) else using
+    if not isinstance(conn, Connection):
+        raise TypeError(f"using= takes an Engine, a Connection or a Session, not {type(using).__name__}")
+    return conn

@@ -118,3 +118,22 @@ def test_batch_offers_racing_single_offers_lose_nothing(
     assert counts[OfferOutcome.CREATED] == len(keys)
     assert counts[OfferOutcome.IGNORED] == 3 * len(keys)
     assert count_rows(engine, queue_name) == len(keys)
+
+
+def test_an_autocommit_engine_still_claims_atomically(
+    backend: Backend, make_queue: Callable[..., DelayedQueue], queue_name: str
+) -> None:
+    # Connections that commit every statement by themselves (isolation_level="AUTOCOMMIT"):
+    # delayq's own multi-statement transactions begin explicitly, so a claim's lock holds
+    # until its UPDATE, and one-statement operations skip the COMMIT.
+    engine = backend.make_engine(isolation_level="AUTOCOMMIT")
+    try:
+        queue = make_queue(engine=engine, visibility_timeout=dt.timedelta(hours=1))
+        keys = [f"a{i}" for i in range(MESSAGES)]
+        queue.offer_many([(k, {"k": k}, None) for k in keys])
+        delivered, _ = drain(queue, consumers=4, batch=10)
+        assert set(delivered) == set(keys)
+        assert max(delivered.values()) == 1
+        assert count_rows(engine, queue_name) == 0
+    finally:
+        engine.dispose()

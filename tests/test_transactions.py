@@ -164,3 +164,29 @@ def test_a_callers_transaction_gets_the_transient_error_unretried(
         holder.close()
         holder_engine.dispose()
     assert queue.get("k") is not None
+
+
+def test_statement_listeners_see_every_statement_of_delayqs_own_operations(
+    backend: Backend,
+    make_queue,  # type: ignore[no-untyped-def]
+) -> None:
+    # delayq's own short operations skip SQLAlchemy's execution layer unless someone watches
+    # the engine's statements: then they go through it, and the listener sees them all.
+    engine = backend.make_engine()
+    seen: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        seen.append(statement.upper())
+
+    try:
+        queue = make_queue(engine=engine)
+        queue.offer("k", 1)
+        delivery = queue.try_poll()
+        assert delivery is not None
+        assert queue.ack_many([delivery]) == 1
+        assert any("INSERT INTO" in s for s in seen)  # the offer
+        assert any("FOR UPDATE SKIP LOCKED" in s or "BEGIN IMMEDIATE" in s for s in seen)  # the claim
+        assert any(s.startswith("DELETE") for s in seen)  # the ack
+    finally:
+        engine.dispose()

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from delayq.direct import Executes
 from delayq.schema import Tables
 
 Mode = Literal["read", "statement", "transaction"]
@@ -40,6 +41,19 @@ class ClaimedRow:
 
 def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
     return sa.bindparam(name, type_=type_)
+
+
+@dataclass(frozen=True)
+class OwnedStart:
+    """How one of delayq's own operations runs on a fresh connection.
+
+    ``autocommit``: switch the connection to autocommit for it (one statement is atomic on its
+    own); ``sql``: statements sent first; ``commit``: end with a COMMIT.
+    """
+
+    autocommit: bool = False
+    sql: tuple[str, ...] = ()
+    commit: bool = True
 
 
 class Statements:
@@ -230,14 +244,14 @@ class Dialect:
         self._verified = False
 
     # -- capabilities ---------------------------------------------------------------------------
-    def verify(self, conn: Connection) -> None:
-        """Check the server once per engine (``check_server``) before its first use."""
+    def verify(self) -> None:
+        """Check the server once per engine (``check_server``), after its first connection."""
         if not self._verified:
-            self.check_server(conn)
+            self.check_server()
             self._verified = True
 
-    def check_server(self, conn: Connection) -> None:
-        """Refuse a server that lacks what delayq relies on."""
+    def check_server(self) -> None:
+        """Refuse a server that lacks what delayq relies on (``sa_dialect`` knows its version)."""
 
     # -- time -----------------------------------------------------------------------------------
     def now_ms(self) -> sa.ColumnElement[int]:
@@ -270,11 +284,18 @@ class Dialect:
     #: Whether the claim is one statement (then it needs no explicit transaction).
     claim_mode: ClassVar[Mode] = "transaction"
 
-    def start_owned(self, conn: Connection, mode: Mode) -> None:
-        """Prepare a fresh connection for a library-owned operation of the given kind.
+    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+        """How a library-owned operation of the given kind runs on a fresh connection.
 
-        ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
+        ``mode``: ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
+        ``autocommitting``: the connection is in autocommit already (an engine made with
+        ``isolation_level="AUTOCOMMIT"``), so several statements need an explicit BEGIN.
         """
+        return OwnedStart()
+
+    def autocommitting(self, dbapi_connection: Any) -> bool:
+        """Whether this driver connection commits every statement by itself (read without a round trip)."""
+        return False
 
     def is_transient(self, exc: DBAPIError) -> bool:
         """True for errors that a retry of the whole transaction can overcome."""
@@ -291,7 +312,7 @@ class Dialect:
         """An INSERT that skips rows whose (queue, key) exists (ON CONFLICT DO NOTHING)."""
         raise NotImplementedError
 
-    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
+    def insert_if_absent(self, conn: Executes, stmts: Statements, params: Mapping[str, Any]) -> bool:
         """Insert one message; True when created, False when its key existed."""
         return conn.execute(stmts.insert, params).first() is not None
 
@@ -305,7 +326,7 @@ class Dialect:
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self, conn: Executes, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
     ) -> list[ClaimedRow]:
         """Lock up to ``params['limit']`` due messages for this consumer.
 

@@ -15,7 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from delayq.dialects.base import Dialect, Mode, Statements
+from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements
+from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 
 # lock wait timeout, deadlock, server gone away, lost connection, can't connect,
@@ -48,10 +49,10 @@ class MySQLDialect(Dialect):
     min_version: ClassVar[tuple[int, ...]] = MYSQL_MIN  # and MariaDB 10.6: SKIP LOCKED
     insert_returns_created: ClassVar[bool] = False
 
-    def check_server(self, conn: Connection) -> None:
-        info = conn.dialect.server_version_info or ()
+    def check_server(self) -> None:
+        info = self.sa_dialect.server_version_info or ()
         check_version(
-            tuple(int(v) for v in info if isinstance(v, int)), bool(getattr(conn.dialect, "is_mariadb", False))
+            tuple(int(v) for v in info if isinstance(v, int)), bool(getattr(self.sa_dialect, "is_mariadb", False))
         )
 
     def now_ms(self) -> sa.ColumnElement[int]:
@@ -60,13 +61,18 @@ class MySQLDialect(Dialect):
             "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)", sa.BigInteger
         )
 
-    def start_owned(self, conn: Connection, mode: Mode) -> None:
-        # Applies to the next transaction only: the caller's engine keeps its own level. A
-        # single statement by primary or unique key takes no gap locks: skip the round trip.
-        # (Autocommit would save the COMMIT, but mysqlclient switches it with a round trip
-        # each way, so a single statement costs the same.)
-        if mode == "transaction":
-            conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+        # SET TRANSACTION applies to the next transaction only: the engine keeps its own level.
+        # A single statement by primary or unique key takes no gap locks: no need for it there.
+        # (Switching to autocommit would save the COMMIT, but mysqlclient switches it with a
+        # round trip each way; an engine made with isolation_level="AUTOCOMMIT" saves it.)
+        if mode != "transaction":
+            return OwnedStart(commit=not autocommitting)
+        begin = ("START TRANSACTION",) if autocommitting else ()
+        return OwnedStart(sql=("SET TRANSACTION ISOLATION LEVEL READ COMMITTED", *begin))
+
+    def autocommitting(self, dbapi_connection: Any) -> bool:
+        return bool(dbapi_connection.get_autocommit())
 
     def is_transient(self, exc: DBAPIError) -> bool:
         return super().is_transient(exc) or _code(exc) in _TRANSIENT
@@ -80,7 +86,7 @@ class MySQLDialect(Dialect):
     def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
         return sa.insert(table)
 
-    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
+    def insert_if_absent(self, conn: Executes, stmts: Statements, params: Mapping[str, Any]) -> bool:
         # InnoDB rolls back just the failed statement; the transaction goes on.
         try:
             conn.execute(stmts.insert, params)

@@ -10,10 +10,10 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, Statements
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements
+from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
 
@@ -31,8 +31,8 @@ class PostgresDialect(Dialect):
     name: ClassVar[str] = "postgresql"
     min_version: ClassVar[tuple[int, ...]] = (12,)  # WITH ... AS MATERIALIZED
 
-    def check_server(self, conn: Connection) -> None:
-        version = tuple(v for v in (conn.dialect.server_version_info or ()) if isinstance(v, int))
+    def check_server(self) -> None:
+        version = tuple(v for v in (self.sa_dialect.server_version_info or ()) if isinstance(v, int))
         if version < self.min_version:
             raise UnsupportedDatabaseError(
                 f"PostgreSQL {'.'.join(map(str, version))} is too old; delayq needs PostgreSQL 12 or newer"
@@ -62,11 +62,15 @@ class PostgresDialect(Dialect):
                 for notice in conn.notifies(timeout=0.5):
                     yield notice.payload
 
-    def start_owned(self, conn: Connection, mode: Mode) -> None:
+    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
         # (psycopg switches autocommit without one).
         if mode != "transaction":
-            conn.execution_options(isolation_level="AUTOCOMMIT")
+            return OwnedStart(autocommit=not autocommitting, commit=False)
+        return OwnedStart(sql=("BEGIN",) if autocommitting else ())
+
+    def autocommitting(self, dbapi_connection: Any) -> bool:
+        return bool(dbapi_connection.autocommit)
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # statement_timestamp(): one value per statement, unlike clock_timestamp(), and fresh
@@ -88,7 +92,7 @@ class PostgresDialect(Dialect):
         return pg_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
 
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
         # One array parameter per column (INSERT ... SELECT FROM unnest): the statement stays
         # small and cached whatever the batch size, instead of 7 parameters per row.
@@ -102,7 +106,7 @@ class PostgresDialect(Dialect):
         return self.notifying(insert, stmts.tables) if stmts.notifies else insert
 
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self, conn: Executes, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
     ) -> list[ClaimedRow]:
         # One statement: the MATERIALIZED CTE picks and locks the ids exactly once. The plainer
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row

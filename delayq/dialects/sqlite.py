@@ -7,14 +7,13 @@ that reads and then writes fails with "database is locked" at once, whatever the
 from __future__ import annotations
 
 import sqlite3
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import Dialect, Mode
+from delayq.dialects.base import Dialect, Mode, OwnedStart
 from delayq.errors import UnsupportedDatabaseError
 
 _BUSY, _LOCKED = 5, 6
@@ -30,7 +29,7 @@ class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
     min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
 
-    def check_server(self, conn: Connection) -> None:
+    def check_server(self) -> None:
         if sqlite3.sqlite_version_info < self.min_version:
             raise UnsupportedDatabaseError(
                 f"SQLite {sqlite3.sqlite_version} is too old; delayq needs SQLite 3.35 or newer (RETURNING)"
@@ -41,9 +40,12 @@ class SQLiteDialect(Dialect):
         days = sa.func.julianday("now") - _UNIX_EPOCH_JULIAN_DAY
         return sa.cast(sa.func.round(days * 86_400_000.0), sa.BigInteger)
 
-    def start_owned(self, conn: Connection, mode: Mode) -> None:
-        if mode != "read":
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+        # A read opens no transaction (sqlite3 begins one before data changes only).
+        return OwnedStart(sql=("BEGIN IMMEDIATE",)) if mode != "read" else OwnedStart(commit=False)
+
+    def autocommitting(self, dbapi_connection: Any) -> bool:
+        return dbapi_connection.isolation_level is None
 
     def is_transient(self, exc: DBAPIError) -> bool:
         return super().is_transient(exc) or _errorcode(exc) & 0xFF in (_BUSY, _LOCKED)
