@@ -162,7 +162,7 @@ def _compile(statement: sa.Executable, dialect: sa.Dialect) -> SQLCompiler:
 
 def _bound(compiled: SQLCompiler, parameters: Mapping[str, Any]) -> tuple[str, Any]:
     """The SQL and the driver's arguments (a sequence or a mapping, as its paramstyle wants)."""
-    if compiled.post_compile_params:  # IN (...) lists: rendered for this many values
+    if compiled.post_compile_params or compiled.literal_execute_params:  # rendered at execution (IN lists, LIMIT)
         expanded = compiled.construct_expanded_state(parameters)
         return expanded.statement, expanded.positional_parameters if compiled.positional else expanded.parameters
     values = compiled.construct_params(parameters)

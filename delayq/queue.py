@@ -155,8 +155,11 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> list[Delivery]:
             params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
             rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
+            if not rows:
+                return []
+            locked_until = from_ms(rows[0].locked_until)  # one expiry for the whole claim
             try:
-                return [self._delivery(row, token) for row in rows]
+                return [self._delivery(row, token, locked_until) for row in rows]
             except SerializationMismatchError:
                 unreadable[:] = rows  # a claim in a transaction rolls back; a one-statement claim is undone below
                 raise
@@ -499,7 +502,7 @@ class DelayedQueue:
                     conn.execute(stmts.notify, params)
                 return OfferOutcome.UPDATED
 
-    def _delivery(self, row: ClaimedRow, token: str) -> Delivery:
+    def _delivery(self, row: ClaimedRow, token: str, locked_until: dt.datetime) -> Delivery:
         return Delivery(
             id=row.id,
             key=row.key,
@@ -508,7 +511,7 @@ class DelayedQueue:
             scheduled_at=from_ms(row.due_at),
             scheduled_at_initially=from_ms(row.scheduled_at_initially),
             created_at=from_ms(row.created_at),
-            locked_until=from_ms(row.locked_until),
+            locked_until=locked_until,
             lock_token=token,
             _queue=self,
         )

@@ -38,7 +38,7 @@ class JsonSerializer:
         return json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
 
     def loads(self, data: bytes) -> Any:
-        return json.loads(data)
+        return json.loads(data.decode())  # UTF-8, as written: no encoding detection
 
 
 class BytesSerializer:

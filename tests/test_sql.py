@@ -44,7 +44,7 @@ EXPECTED = {
             "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id, delayq_messages.scheduled_at AS "
             "scheduled_at FROM delayq_messages WHERE delayq_messages.queue = %(queue_name)s::VARCHAR AND "
             "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
-            "LIMIT %(limit)s::INTEGER FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> "
+            "LIMIT __[POSTCOMPILE_limit] FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> "
             "+ %(visibility)s::BIGINT), lock_token=%(token)s::VARCHAR, attempts=(delayq_messages.attempts + "
             "%(attempts_1)s::INTEGER) FROM picked WHERE delayq_messages.id = picked.id RETURNING "
             "delayq_messages.id, delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, "
@@ -53,7 +53,7 @@ EXPECTED = {
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
-            "delayq_messages.id IN (__[POSTCOMPILE_ids])"
+            "delayq_messages.id = ANY (%(ids)s::BIGINT[])"
         ),
     },
     "mysql": {
@@ -67,7 +67,7 @@ EXPECTED = {
             "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, <now> AS now FROM "
             "delayq_messages WHERE delayq_messages.queue = %s AND delayq_messages.scheduled_at <= <now> ORDER"
-            " BY delayq_messages.scheduled_at, delayq_messages.id LIMIT %s FOR UPDATE SKIP LOCKED"
+            " BY delayq_messages.scheduled_at, delayq_messages.id LIMIT __[POSTCOMPILE_limit] FOR UPDATE SKIP LOCKED"
         ),
         "mark_claimed": (
             "UPDATE delayq_messages SET scheduled_at=%s, lock_token=%s, attempts=(delayq_messages.attempts + "
@@ -89,7 +89,7 @@ EXPECTED = {
             "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, <now> AS now FROM "
             "delayq_messages WHERE delayq_messages.queue = ? AND delayq_messages.scheduled_at <= <now> ORDER "
-            "BY delayq_messages.scheduled_at, delayq_messages.id LIMIT ? OFFSET ?"
+            "BY delayq_messages.scheduled_at, delayq_messages.id LIMIT __[POSTCOMPILE_limit] OFFSET ?"
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
@@ -104,7 +104,10 @@ def test_the_emitted_sql_is_pinned(name: str, pick: str) -> None:
     assert sql(name, pick) == EXPECTED[name][pick]
 
 
-def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backend) -> None:
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backend, plan_cache_mode: str) -> None:
+    # psycopg prepares a statement run five times; PostgreSQL may then plan it once for any
+    # parameters (the generic plan), where a bound LIMIT once made it hash-join the whole table.
     tables = make_tables()
     stmts = dialect_class("postgresql")(postgres.engine.dialect).statements(tables, False)
     with postgres.engine.connect() as conn:
@@ -117,8 +120,22 @@ def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backen
         )
         conn.exec_driver_sql("ANALYZE delayq_messages")
         compiled = _claim_statement(stmts).compile(dialect=conn.dialect)
-        params = compiled.construct_params({"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1})
-        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + compiled.string, params).scalars())
+        expanded = compiled.construct_expanded_state(
+            {"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1}
+        )
+        names: list[str] = []
+
+        def numbered(match: re.Match[str]) -> str:
+            if match[1] not in names:
+                names.append(match[1])
+            return f"${names.index(match[1]) + 1}"
+
+        conn.exec_driver_sql("PREPARE delayq_claim AS " + re.sub(r"%\((\w+)\)s", numbered, expanded.statement))
+        conn.exec_driver_sql(f"SET LOCAL plan_cache_mode = {plan_cache_mode}")
+        values = [expanded.parameters[n] for n in names]
+        arguments = ", ".join(str(v) if isinstance(v, int) else "'" + str(v).replace("'", "''") + "'" for v in values)
+        plan = "\n".join(conn.exec_driver_sql(f"EXPLAIN EXECUTE delayq_claim({arguments})").scalars())
+        conn.exec_driver_sql("DEALLOCATE delayq_claim")  # prepared statements outlive the transaction
         conn.rollback()
     assert "Index Scan using delayq_messages_due_ix" in plan, plan
     assert "Seq Scan on delayq_messages" not in plan, plan

@@ -56,6 +56,16 @@ class OwnedStart:
     commit: bool = True
 
 
+def claim_limit() -> sa.BindParameter[int]:
+    """The claim's ``LIMIT :limit``, written into the SQL text at execution.
+
+    A bound LIMIT leaves the planner guessing how many rows come back: PostgreSQL's generic
+    plan for a prepared claim then hash-joins the whole table instead of fetching the few
+    picked rows by primary key. A literal costs one prepared statement per batch size.
+    """
+    return sa.bindparam("limit", type_=sa.Integer, literal_execute=True)
+
+
 class Statements:
     """The shared statements over one table set, with "now" as given.
 
@@ -133,20 +143,18 @@ class Statements:
             )
             .where(m.c.queue == queue, m.c.scheduled_at <= now)
             .order_by(m.c.scheduled_at, m.c.id)
-            .limit(_bp("limit", sa.Integer))
+            .limit(claim_limit())
             .with_for_update(skip_locked=True)
         )
         self.mark_claimed = (
             sa.update(m)
-            .where(m.c.id.in_(sa.bindparam("ids", expanding=True)))
+            .where(dialect.id_in(m.c.id))
             .values(lock_token=_bp("token", sa.String), scheduled_at=_bp("locked_until"), attempts=m.c.attempts + 1)
         )
         self.unclaim = (
             sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
-        self.ack = sa.delete(m).where(
-            m.c.lock_token == _bp("token", sa.String), m.c.id.in_(sa.bindparam("ids", expanding=True))
-        )
+        self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
         self.retry = (
             sa.update(m)
             .where(held)
@@ -263,6 +271,10 @@ class Dialect:
         """The shared statements, built once per table set, clock mode and wake-up mode."""
         now = _bp("now") if manual_clock else self.now_ms()
         return Statements(self, tables, now, notify and self.can_notify)
+
+    def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
+        """``column IN`` the list of ids bound as ``:ids``."""
+        return column.in_(sa.bindparam("ids", expanding=True))
 
     # -- wake-ups -------------------------------------------------------------------------------
     #: Whether offers can wake listening workers when they commit (LISTEN/NOTIFY).

@@ -12,7 +12,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
 from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
@@ -72,6 +72,11 @@ class PostgresDialect(Dialect):
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.autocommit)
 
+    def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
+        # One array parameter: the statement text stays the same whatever the number of ids,
+        # so psycopg prepares it once.
+        return column == sa.any_(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))
+
     def now_ms(self) -> sa.ColumnElement[int]:
         # statement_timestamp(): one value per statement, unlike clock_timestamp(), and fresh
         # per statement, unlike now() which is frozen at the start of the transaction.
@@ -124,7 +129,7 @@ def _claim_statement(stmts: Statements) -> sa.Update:
         sa.select(m.c.id, m.c.scheduled_at)
         .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
         .order_by(m.c.scheduled_at, m.c.id)
-        .limit(sa.bindparam("limit", type_=sa.Integer))
+        .limit(claim_limit())
         .with_for_update(skip_locked=True)
         .cte("picked")
         .prefix_with("MATERIALIZED")
