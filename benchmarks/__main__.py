@@ -372,13 +372,15 @@ def median_figure(backend: str, scenario: str, runs: list[tuple[float, float | N
     )
 
 
-def bench_backend(backend: str, sizes: Sizes, tmp: Path) -> list[Figure]:
+def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list[Figure]:
     engine = make_engine(backend, tmp)
     migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=PREFIX)
     q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
     figures: list[Figure] = []
 
     def measure(scenario: str, fn: Callable[[], tuple[float, float | None, list[float]]]) -> None:
+        if only not in scenario:
+            return
         figure = median_figure(backend, scenario, [fn() for _ in range(sizes.repeat)])
         figures.append(figure)
         print_row(figure)
@@ -400,8 +402,10 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path) -> list[Figure]:
             f"worker no-op drain, {workers} worker(s) x 8 slots",
             lambda w=workers: worker_drain(engine, q, sizes.consume_batch, w),
         )
-    runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)]
+    runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)] if only in "scale:" else []
     for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3)):
+        if not runs:
+            break
         empty = statistics.median(r[i_empty] for r in runs)
         full = statistics.median(r[i_full] for r in runs)
         figure = Figure(backend, f"scale: {label} with {sizes.future_rows:,} future rows vs empty", full, empty)
@@ -427,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, one run (what CI runs)")
     parser.add_argument("--repeat", type=int, help="runs per figure (the median is reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--only", default="", help="run the scenarios whose name contains this text")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.repeat:
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
-            figures += bench_backend(backend.strip(), sizes, Path(tmp))
+            figures += bench_backend(backend.strip(), sizes, Path(tmp), args.only)
     if args.json:
         args.json.write_text(json.dumps([{**asdict(f), "ratio": f.ratio} for f in figures], indent=2))
     return 0

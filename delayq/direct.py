@@ -42,6 +42,8 @@ class Rows(Protocol):
 
     def scalars(self) -> Iterable[Any]: ...
 
+    def scalar_one(self) -> Any: ...
+
 
 class Executes(Protocol):
     """What delayq's hot operations need of a connection: a SQLAlchemy ``Connection`` or a ``DirectConnection``."""

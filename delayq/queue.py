@@ -111,7 +111,7 @@ class DelayedQueue:
         if not prepared:
             return []
 
-        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+        def op(conn: Executes, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
             now = self._now_ms(conn, stmts)
             outcomes: list[OfferOutcome | None] = [None] * len(prepared)
@@ -133,7 +133,9 @@ class DelayedQueue:
                     )
             return [o for o in outcomes if o is not None]
 
-        return self._runner.run(using, op, "transaction")
+        if self._runner.dialect.insert_many_needs_connection:
+            return self._runner.run(using, op, "transaction")
+        return self._runner.run_direct(using, op, "transaction")
 
     # -- consumers ------------------------------------------------------------------------------
     def try_poll(self, *, using: Using = None) -> Delivery | None:
@@ -450,7 +452,7 @@ class DelayedQueue:
     def _now_param(self) -> dict[str, int]:
         return {} if self.clock is None else {"now": to_ms(self.clock.now())}
 
-    def _now_ms(self, conn: Connection, stmts: Statements) -> int:
+    def _now_ms(self, conn: Executes, stmts: Statements) -> int:
         if self.clock is not None:
             return to_ms(self.clock.now())
         return int(conn.execute(stmts.now_select).scalar_one())

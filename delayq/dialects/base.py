@@ -328,10 +328,15 @@ class Dialect:
         """Insert one message; True when created, False when its key existed."""
         return conn.execute(stmts.insert, params).first() is not None
 
+    #: Whether ``insert_many_if_absent`` needs SQLAlchemy's ``Connection`` (savepoints, executemany),
+    #: or runs on any ``Executes`` (then delayq's own batches take the direct path).
+    insert_many_needs_connection: ClassVar[bool] = True
+
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
         """Insert rows whose keys are absent; return the keys created, in one round trip."""
+        assert isinstance(conn, Connection)  # insert_many_needs_connection: executemany
         m = stmts.tables.messages
         result = conn.execute(stmts.insert_rows.returning(m.c.key), list(rows))
         return {key for (key,) in result}

@@ -97,8 +97,9 @@ class MySQLDialect(Dialect):
         return True
 
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
+        assert isinstance(conn, Connection)  # insert_many_needs_connection: savepoints, executemany
         # Find the existing keys first, insert the rest in one multi-row statement; a producer
         # that raced in between makes it fall back to one row at a time (seed 001's offerBatch).
         existing = set(
