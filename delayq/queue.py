@@ -227,10 +227,14 @@ class DelayedQueue:
             return 0
 
         def op(conn: Executes, dialect: Dialect) -> int:
-            stmt = self._statements(dialect).ack
-            return sum(conn.execute(stmt, {"token": t, "ids": ids}).rowcount for t, ids in by_token.items())
+            stmts = self._statements(dialect)
+            if len(by_token) == 1:
+                [(token, ids)] = by_token.items()
+                return conn.execute(stmts.ack, {"token": token, "ids": ids}).rowcount
+            pairs = [(i, token) for token, ids in by_token.items() for i in ids]
+            return conn.execute(stmts.ack_pairs, {"pairs": pairs}).rowcount
 
-        return self._runner.run_direct(using, op, "statement" if len(by_token) == 1 else "transaction")
+        return self._runner.run_direct(using, op, "statement")
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {

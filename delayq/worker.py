@@ -98,6 +98,7 @@ class Worker:
         self._channel = next(iter(self._queues.values()))[1].tables.messages.name
         self._listen = listen
         self._running: dict[int, _Running] = {}
+        self._to_ack: list[_Running] = []  # handled, acked together by the fetch loop
         self._lock = threading.Lock()
         self._slot_freed = threading.Event()
         self._wake = threading.Event()
@@ -141,6 +142,7 @@ class Worker:
                     assert running.future is not None
                     running.future.result()
                 done += len(started)
+        self._flush_acks()
         return done
 
     # -- the loop -------------------------------------------------------------------------------
@@ -184,7 +186,8 @@ class Worker:
             self._wake.clear()
 
     def _fetch(self, pool: ThreadPoolExecutor) -> list[_Running]:
-        """Claim up to the free slots across the queues and start their handlers."""
+        """Ack what was handled since the last fetch, claim up to the free slots and start their handlers."""
+        self._flush_acks()
         started: list[_Running] = []
         for handler, queue in self._queues.values():
             free = self._free_slots()
@@ -216,21 +219,47 @@ class Worker:
     # -- one delivery ---------------------------------------------------------------------------
     def _execute(self, running: _Running) -> None:
         handler, queue, delivery = running.handler, running.queue, running.delivery
+        ack_later = False
         try:
             if handler.transactional:
                 self._handle_in_transaction(handler, queue, delivery)
             else:
                 handler.handle(delivery)
-                if not delivery.ack():
-                    log.warning("%s %r: lock lost before the ack; it comes again", queue.name, delivery.key)
+                ack_later = True
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             self._record_failure(handler, queue, delivery, exc)
         finally:
             with self._lock:
                 self._running.pop(id(running), None)
-                self.handled += 1
+                if ack_later:
+                    self._to_ack.append(running)
+                else:
+                    self.handled += 1
             self._slot_freed.set()
             self._wake.set()
+
+    def _flush_acks(self) -> None:
+        """Ack the deliveries handled since the last flush: one statement per queue.
+
+        A handler that finishes frees its slot at once; its message stays locked until this ack,
+        which the fetch loop sends before its next claim (and the shutdown before it returns).
+        """
+        with self._lock:
+            done, self._to_ack = self._to_ack, []
+        by_queue: dict[str, list[Delivery]] = {}
+        for r in done:
+            by_queue.setdefault(r.queue.name, []).append(r.delivery)
+        for name, deliveries in by_queue.items():
+            queue = self._queues[name][1]
+            try:
+                lost = len(deliveries) - queue.ack_many(deliveries)
+            except (DBAPIError, DelayqError) as exc:
+                log.warning("%s: could not ack %d message(s) (%s); they come again", name, len(deliveries), exc)
+                continue
+            if lost:
+                log.warning("%s: %d lock(s) lost before the ack; those messages come again", name, lost)
+        with self._lock:
+            self.handled += len(done)
 
     @staticmethod
     def _record_failure(handler: Handler, queue: DelayedQueue, delivery: Delivery, exc: Exception) -> None:
@@ -335,6 +364,7 @@ class Worker:
                 self.shutdown_timeout,
             )
         pool.shutdown(wait=left == 0, cancel_futures=True)
+        self._flush_acks()
         log.info("worker stopped")
 
     def _install_signal_handlers(self) -> Callable[[], None]:

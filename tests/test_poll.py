@@ -156,3 +156,20 @@ def test_stats_of_ready_messages(queue: DelayedQueue, clock: ManualClock) -> Non
     stats = queue.stats()
     assert (stats.ready, stats.scheduled, stats.in_flight, stats.oldest_due_age) == (2, 0, 0, MINUTE)
     assert queue.stats(using=queue.engine).ready == 2  # an Engine as using= runs in delayq's own transaction
+
+
+def test_ack_many_across_claims_deletes_only_what_each_delivery_still_holds(
+    queue: DelayedQueue, clock: ManualClock
+) -> None:
+    for i, key in enumerate("abc"):
+        queue.offer(key, key, at=START + i * MINUTE)
+    clock.advance(5 * MINUTE)
+    a, b, c = (queue.try_poll() for _ in range(3))  # three claims, three lock tokens
+    assert a is not None and b is not None and c is not None
+    clock.advance(2 * MINUTE)  # every lock expires; another consumer takes "a" again
+    again = queue.try_poll()
+    assert again is not None and again.key == "a"
+    assert queue.ack_many([a, b, c]) == 2  # "a" is not ours any more
+    assert queue.get("a") is not None
+    assert queue.get("b") is None and queue.get("c") is None
+    assert again.ack() is True
