@@ -2,7 +2,8 @@
 
 Each function does the same work as its delayq counterpart with the fewest round trips the
 backend allows (autocommit for single statements, one multi-row statement per batch), on a
-DBAPI connection of its own.
+DBAPI connection of its own. Offers bind the same values delayq binds (queue, key, payload,
+payload type, times, attempts); they do not wake workers (delayq's PostgreSQL offers NOTIFY).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def offer_one(name: str, table: str) -> Callable[[Raw, str, bytes], None]:
     conflict = "" if name == "mysql" else " ON CONFLICT (queue, key) DO NOTHING"
     sql = (
         f"INSERT INTO {table} (queue, {_key(name)}, payload, payload_type, scheduled_at, scheduled_at_initially,"
-        f" created_at, attempts) VALUES ({p}, {p}, {p}, 'json', {now}, {now}, {now}, 0){conflict}"
+        f" created_at, attempts) VALUES ({p}, {p}, {p}, {p}, {now}, {now}, {now}, {p}){conflict}"
     )
 
     def run(raw: Raw, key: str, payload: bytes) -> None:
-        raw.cursor().execute(sql, ("bench", key, payload))
+        raw.cursor().execute(sql, ("bench", key, payload, "json", 0))
 
     return run
 
@@ -60,7 +61,7 @@ def offer_one(name: str, table: str) -> Callable[[Raw, str, bytes], None]:
 def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, bytes]], int], None]:
     p = _ph(name)
     conflict = "" if name == "mysql" else " ON CONFLICT (queue, key) DO NOTHING"
-    row = f"('bench', {p}, {p}, 'json', {p}, {p}, {p}, 0)"
+    row = f"({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
     head = (
         f"INSERT INTO {table} (queue, {_key(name)}, payload, payload_type, scheduled_at,"
         f" scheduled_at_initially, created_at, attempts) VALUES "
@@ -82,7 +83,7 @@ def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, byt
 
     def run(raw: Raw, items: Sequence[tuple[str, bytes]], now: int) -> None:
         sql = head + ", ".join([row] * len(items)) + conflict
-        params = [v for key, payload in items for v in (key, payload, now, now, now)]
+        params = [v for key, payload in items for v in ("bench", key, payload, "json", now, now, now, 0)]
         cur = raw.cursor()
         if name == "sqlite":
             cur.execute("BEGIN IMMEDIATE")

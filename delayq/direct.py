@@ -50,6 +50,8 @@ class Executes(Protocol):
 
     def execute(self, statement: Any, parameters: Any = None, /) -> Rows: ...
 
+    def exec_driver_sql(self, statement: str, parameters: Any = None, /) -> Any: ...
+
 
 def watched(engine: Engine) -> bool:
     """True when someone observes this engine's statements, so they must go through SQLAlchemy."""
@@ -107,12 +109,13 @@ class DirectConnection:
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, args) from exc
 
-    def exec_driver_sql(self, sql: str) -> None:
-        """Run one SQL string as is (a BEGIN or SET statement)."""
+    def exec_driver_sql(self, sql: str, parameters: Sequence[Any] | None = None, /) -> None:
+        """Run one SQL string as is, with the driver's own parameters (in its paramstyle)."""
         try:
-            self._cursor_for(sql, ()).execute(sql)
+            cursor = self._cursor_for(sql, parameters)
+            cursor.execute(sql) if parameters is None else cursor.execute(sql, parameters)
         except self.dialect.loaded_dbapi.Error as exc:
-            raise self._wrapped(exc, sql, ()) from exc
+            raise self._wrapped(exc, sql, parameters) from exc
 
     def commit(self) -> None:
         try:

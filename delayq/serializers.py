@@ -34,8 +34,10 @@ class JsonSerializer:
 
     type_tag = "json"
 
+    _encoder = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
     def dumps(self, payload: Any) -> bytes:
-        return json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+        return self._encoder.encode(payload).encode()
 
     def loads(self, data: bytes) -> Any:
         return json.loads(data.decode())  # UTF-8, as written: no encoding detection

@@ -8,11 +8,10 @@ would turn every error into a warning, not only the duplicate key.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements
@@ -96,32 +95,67 @@ class MySQLDialect(Dialect):
             raise
         return True
 
+    insert_many_needs_connection: ClassVar[bool] = False
+
     def insert_many_if_absent(
         self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
-        assert isinstance(conn, Connection)  # insert_many_needs_connection: savepoints, executemany
-        # Find the existing keys first, insert the rest in one multi-row statement; a producer
-        # that raced in between makes it fall back to one row at a time (seed 001's offerBatch).
-        existing = set(
-            conn.execute(stmts.existing_keys, {"queue_name": queue, "keys": [r["key"] for r in rows]}).scalars()
-        )
-        fresh = [r for r in rows if r["key"] not in existing]
-        if not fresh:
-            return set()
-        try:
-            with conn.begin_nested():
-                conn.execute(stmts.insert_rows, fresh)
-            return {r["key"] for r in fresh}
-        except IntegrityError as exc:
-            if not self.is_duplicate_key(exc):
-                raise
-        created = set()
-        for row in fresh:
-            try:
-                with conn.begin_nested():
-                    conn.execute(stmts.insert_rows, row)
-                created.add(row["key"])
-            except IntegrityError as exc:
-                if not self.is_duplicate_key(exc):
-                    raise
+        # One multi-row INSERT per part, assuming first that no key exists (the common case). A
+        # duplicate key fails the whole statement, and InnoDB rolls back just that statement: the
+        # transaction goes on without a savepoint. Then the existing keys are read and the rest
+        # inserted; a producer racing in between makes it fall back to one row at a time.
+        created: set[str] = set()
+        for part in _parts(rows):
+            if self._insert_rows(conn, stmts, part):
+                created.update(r["key"] for r in part)
+                continue
+            keys = {"queue_name": queue, "keys": [r["key"] for r in part]}
+            existing = set(conn.execute(stmts.existing_keys, keys).scalars())
+            fresh = [r for r in part if r["key"] not in existing]
+            if fresh and self._insert_rows(conn, stmts, fresh):
+                created.update(r["key"] for r in fresh)
+                continue
+            created.update(r["key"] for r in fresh if self._insert_rows(conn, stmts, [r]))
         return created
+
+    def _insert_rows(self, conn: Executes, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Insert the rows in one statement; False, inserting none, when a key exists."""
+        m = stmts.tables.messages
+        quote = self.sa_dialect.identifier_preparer
+        head = f"INSERT INTO {quote.format_table(m)} ({', '.join(quote.quote(c) for c in _ROW_COLUMNS)}) VALUES "
+        values = "(" + ", ".join(["%s"] * len(_ROW_COLUMNS)) + ")"
+        try:
+            conn.exec_driver_sql(
+                head + ", ".join([values] * len(rows)), tuple(r[c] for r in rows for c in _ROW_COLUMNS)
+            )
+        except IntegrityError as exc:
+            if self.is_duplicate_key(exc):
+                return False
+            raise
+        return True
+
+
+_ROW_COLUMNS = (
+    "queue",
+    "key",
+    "payload",
+    "payload_type",
+    "scheduled_at",
+    "scheduled_at_initially",
+    "created_at",
+    "attempts",
+)
+MAX_STATEMENT_BYTES = 4 * 1024 * 1024
+"""Payload bytes per multi-row INSERT: well under the server's max_allowed_packet (16 MiB by default)."""
+
+
+def _parts(rows: Sequence[Mapping[str, Any]]) -> Iterator[Sequence[Mapping[str, Any]]]:
+    """The rows in runs of at most ``MAX_STATEMENT_BYTES`` of payload (a larger row alone)."""
+    start, size = 0, 0
+    for i, row in enumerate(rows):
+        size += len(row["payload"])
+        if size > MAX_STATEMENT_BYTES and i > start:
+            yield rows[start:i]
+            start, size = i, len(row["payload"])
+    if start < len(rows):
+        yield rows[start:]

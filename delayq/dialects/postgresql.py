@@ -103,14 +103,12 @@ class PostgresDialect(Dialect):
     ) -> set[str]:
         # One array parameter per column (INSERT ... SELECT FROM unnest): the statement stays
         # small and cached whatever the batch size, instead of 7 parameters per row.
+        # One NOTIFY for the batch, in the same transaction, rather than one per row.
         columns = {column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}
-        return set(conn.execute(self._insert_unnest(stmts), columns).scalars())
-
-    @functools.cache  # noqa: B019 - one dialect object per engine, kept for the engine's life
-    def _insert_unnest(self, stmts: Statements) -> sa.Executable:
-        """Built once per statement set, wrapped to NOTIFY when the set does."""
-        insert = _insert_unnest(stmts)
-        return self.notifying(insert, stmts.tables) if stmts.notifies else insert
+        created = set(conn.execute(_insert_unnest(stmts), columns).scalars())
+        if created and stmts.notify is not None:
+            conn.execute(stmts.notify, {"queue_name": queue})
+        return created
 
     def claim(
         self, conn: Executes, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
@@ -180,5 +178,5 @@ def _insert_unnest(stmts: Statements) -> sa.Insert:
         pg_insert(m)
         .from_select(list(_UNNEST_COLUMNS), sa.select(*(rows.c[c] for c in _UNNEST_COLUMNS)))
         .on_conflict_do_nothing(index_elements=["queue", "key"])
-        .returning(m.c.key, m.c.queue)
+        .returning(m.c.key)
     )
