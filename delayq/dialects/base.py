@@ -332,7 +332,7 @@ class Dialect:
         """Insert one message; True when created, False when its key existed."""
         return conn.execute(stmts.insert, params).first() is not None
 
-    #: Whether ``insert_many_if_absent`` needs SQLAlchemy's ``Connection`` (savepoints, executemany),
+    #: Whether ``insert_many_if_absent`` needs SQLAlchemy's ``Connection`` (executemany with RETURNING),
     #: or runs on any ``Executes`` (then delayq's own batches take the direct path).
     insert_many_needs_connection: ClassVar[bool] = True
 
