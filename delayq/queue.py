@@ -234,7 +234,7 @@ class DelayedQueue:
             pairs = [(i, token) for token, ids in by_token.items() for i in ids]
             return conn.execute(stmts.ack_pairs, {"pairs": pairs}).rowcount
 
-        return self._runner.run_direct(using, op, "statement")
+        return self._runner.run_direct(using, op, "scan")
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {
@@ -407,7 +407,7 @@ class DelayedQueue:
         def op(conn: Connection, dialect: Dialect) -> int:
             return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
 
-        return self._runner.run(using, op, "statement")
+        return self._runner.run(using, op, "scan")
 
     def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: Using = None) -> int:
         """Delete the messages whose key starts with ``prefix`` (but not with ``keep_prefix``); how many.
@@ -426,7 +426,7 @@ class DelayedQueue:
         def op(conn: Connection, dialect: Dialect) -> int:
             return int(conn.execute(stmt, params).rowcount)
 
-        return self._runner.run(using, op, "statement")
+        return self._runner.run(using, op, "scan")
 
     def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: Using = None) -> int:
         """Of the never-attempted messages under ``prefix`` due by ``now``, keep the newest; delete the rest.

@@ -64,8 +64,8 @@ class Runner:
     def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
         """Run ``operation(conn, dialect)`` in the caller's transaction or in one of delayq's own.
 
-        ``mode`` says what the operation does, so that delayq's own transaction starts right:
-        ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
+        ``mode`` says what the operation does, so that delayq's own transaction starts right
+        (see ``Mode``).
         """
         if using is None or isinstance(using, Engine):
             engine = using or self.engine

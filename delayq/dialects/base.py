@@ -21,7 +21,10 @@ from sqlalchemy.exc import DBAPIError
 from delayq.direct import Executes
 from delayq.schema import Tables
 
-Mode = Literal["read", "statement", "transaction"]
+Mode = Literal["read", "statement", "scan", "transaction"]
+"""What one of delayq's own operations does, so that its transaction starts right: only reads; one write
+statement by primary or unique key; one write statement that may scan rows it leaves alone (an ack by a
+list of ids, a delete by key prefix); or several statements."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +306,7 @@ class Dialect:
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.
 
-        ``mode``: ``"read"``, ``"statement"`` (one write statement) or ``"transaction"`` (several).
+        ``mode``: see ``Mode``.
         ``autocommitting``: the connection is in autocommit already (an engine made with
         ``isolation_level="AUTOCOMMIT"``), so several statements need an explicit BEGIN.
         """

@@ -62,10 +62,14 @@ class MySQLDialect(Dialect):
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # SET TRANSACTION applies to the next transaction only: the engine keeps its own level.
-        # A single statement by primary or unique key takes no gap locks: no need for it there.
+        # A single statement by primary or unique key locks just its row: no need for it there.
+        # A statement that scans does need it: on a table whose statistics say it is nearly
+        # empty, MariaDB deletes by a list of ids with a full scan, and under REPEATABLE READ
+        # that locks every row until the commit, so claims meanwhile skip them all and find
+        # nothing. READ COMMITTED lets go of the rows a statement does not change at once.
         # (Switching to autocommit would save the COMMIT, but mysqlclient switches it with a
         # round trip each way; an engine made with isolation_level="AUTOCOMMIT" saves it.)
-        if mode != "transaction":
+        if mode in ("read", "statement"):
             return OwnedStart(commit=not autocommitting)
         begin = ("START TRANSACTION",) if autocommitting else ()
         return OwnedStart(sql=("SET TRANSACTION ISOLATION LEVEL READ COMMITTED", *begin))
