@@ -157,11 +157,8 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> list[Delivery]:
             params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
             rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
-            if not rows:
-                return []
-            locked_until = from_ms(rows[0].locked_until)  # one expiry for the whole claim
             try:
-                return [self._delivery(row, token, locked_until) for row in rows]
+                return self._deliveries(rows, token)
             except SerializationMismatchError:
                 unreadable[:] = rows  # a claim in a transaction rolls back; a one-statement claim is undone below
                 raise
@@ -218,11 +215,13 @@ class DelayedQueue:
 
     def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many."""
-        by_token: dict[str, list[int]] = {}
+        by_token: dict[str, set[int]] = {}
+        claim_sizes: dict[str, int] = {}
         for d in deliveries:
             if d.queue != self.name:
                 raise InvalidInputError(f"delivery of {d.key!r} belongs to queue {d.queue!r}, not {self.name!r}")
-            by_token.setdefault(d.lock_token, []).append(d.id)
+            by_token.setdefault(d.lock_token, set()).add(d.id)
+            claim_sizes[d.lock_token] = d._claim_size
         if not by_token:
             return 0
 
@@ -230,7 +229,9 @@ class DelayedQueue:
             stmts = self._statements(dialect)
             if len(by_token) == 1:
                 [(token, ids)] = by_token.items()
-                return conn.execute(stmts.ack, {"token": token, "ids": ids}).rowcount
+                if len(ids) == claim_sizes[token]:  # the whole claim: its token alone picks its rows
+                    return conn.execute(stmts.ack_claim, {"token": token}).rowcount
+                return conn.execute(stmts.ack, {"token": token, "ids": list(ids)}).rowcount
             pairs = [(i, token) for token, ids in by_token.items() for i in ids]
             return conn.execute(stmts.ack_pairs, {"pairs": pairs}).rowcount
 
@@ -508,19 +509,33 @@ class DelayedQueue:
                     conn.execute(stmts.notify, params)
                 return OfferOutcome.UPDATED
 
-    def _delivery(self, row: ClaimedRow, token: str, locked_until: dt.datetime) -> Delivery:
-        return Delivery(
-            id=row.id,
-            key=row.key,
-            payload=self._decode(row.key, row.payload_type, row.payload),
-            attempts=row.attempts,
-            scheduled_at=from_ms(row.due_at),
-            scheduled_at_initially=from_ms(row.scheduled_at_initially),
-            created_at=from_ms(row.created_at),
-            locked_until=locked_until,
-            lock_token=token,
-            _queue=self,
-        )
+    def _deliveries(self, rows: list[ClaimedRow], token: str) -> list[Delivery]:
+        """The deliveries of one claim. They share its lock expiry, and often their times too
+        (messages offered together): each distinct time is converted once."""
+        times: dict[int, dt.datetime] = {}
+
+        def at(ms: int) -> dt.datetime:
+            found = times.get(ms)
+            if found is None:
+                found = times[ms] = from_ms(ms)
+            return found
+
+        return [
+            Delivery(
+                id=row.id,
+                key=row.key,
+                payload=self._decode(row.key, row.payload_type, row.payload),
+                attempts=row.attempts,
+                scheduled_at=at(row.due_at),
+                scheduled_at_initially=at(row.scheduled_at_initially),
+                created_at=at(row.created_at),
+                locked_until=at(row.locked_until),
+                lock_token=token,
+                _queue=self,
+                _claim_size=len(rows),
+            )
+            for row in rows
+        ]
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
         tag = self.serializer.type_tag

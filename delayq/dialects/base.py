@@ -158,6 +158,7 @@ class Statements:
             sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
+        self.ack_claim = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String))
         # Deliveries of several claims: each id with its own token.
         self.ack_pairs = sa.delete(m).where(
             sa.tuple_(m.c.id, m.c.lock_token).in_(sa.bindparam("pairs", expanding=True))
