@@ -50,7 +50,7 @@ class Executes(Protocol):
 
     def execute(self, statement: Any, parameters: Any = None, /) -> Rows: ...
 
-    def exec_driver_sql(self, statement: str, parameters: Any = None, /) -> Any: ...
+    def exec_driver_sql(self, statement: str, parameters: Any = None, /) -> Rows: ...
 
 
 def watched(engine: Engine) -> bool:
@@ -98,22 +98,18 @@ class DirectConnection:
 
     def execute(self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None, /) -> DirectResult:
         sql, args = _bound(_compile(statement, self.dialect), parameters or {})
-        cursor = self._cursor_for(sql, args)
+        return self.exec_driver_sql(sql, args)
+
+    def exec_driver_sql(self, sql: str, parameters: Sequence[Any] | Mapping[str, Any] | None = None, /) -> DirectResult:
+        """Run one SQL string as is, with the driver's own parameters (in its paramstyle)."""
+        cursor = self._cursor_for(sql, parameters)
         try:
-            cursor.execute(sql, args)
+            cursor.execute(sql) if parameters is None else cursor.execute(sql, parameters)
             description = cursor.description
             if description is None:
                 return DirectResult([], cursor.rowcount)
             row = _row_type(tuple(column[0] for column in description))
             return DirectResult([row._make(values) for values in cursor.fetchall()], cursor.rowcount)
-        except self.dialect.loaded_dbapi.Error as exc:
-            raise self._wrapped(exc, sql, args) from exc
-
-    def exec_driver_sql(self, sql: str, parameters: Sequence[Any] | None = None, /) -> None:
-        """Run one SQL string as is, with the driver's own parameters (in its paramstyle)."""
-        try:
-            cursor = self._cursor_for(sql, parameters)
-            cursor.execute(sql) if parameters is None else cursor.execute(sql, parameters)
         except self.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, sql, parameters) from exc
 

@@ -133,8 +133,6 @@ class DelayedQueue:
                     )
             return [o for o in outcomes if o is not None]
 
-        if self._runner.dialect.insert_many_needs_connection:
-            return self._runner.run(using, op, "transaction")
         return self._runner.run_direct(using, op, "transaction")
 
     # -- consumers ------------------------------------------------------------------------------

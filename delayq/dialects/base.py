@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.direct import Executes
@@ -103,7 +102,6 @@ class Statements:
             returning = insert.returning(m.c.id, m.c.queue)
             self.insert = dialect.notifying(returning, tables) if notify else returning
         self.notify = dialect.notify_statement(tables) if notify else None
-        self.insert_rows = dialect.insert_skipping_duplicates(m)
         self.existing_keys = sa.select(m.c.key).where(
             m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True))
         )
@@ -336,18 +334,17 @@ class Dialect:
         """Insert one message; True when created, False when its key existed."""
         return conn.execute(stmts.insert, params).first() is not None
 
-    #: Whether ``insert_many_if_absent`` needs SQLAlchemy's ``Connection`` (executemany with RETURNING),
-    #: or runs on any ``Executes`` (then delayq's own batches take the direct path).
-    insert_many_needs_connection: ClassVar[bool] = True
-
     def insert_many_if_absent(
         self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
-        """Insert rows whose keys are absent; return the keys created, in one round trip."""
-        assert isinstance(conn, Connection)  # insert_many_needs_connection: executemany
-        m = stmts.tables.messages
-        result = conn.execute(stmts.insert_rows.returning(m.c.key), list(rows))
-        return {key for (key,) in result}
+        """Insert rows whose keys are absent; return the keys created, in one round trip.
+
+        The shared shape: one multi-row ``INSERT … ON CONFLICT (queue, key) DO NOTHING RETURNING key``.
+        """
+        key = self.sa_dialect.identifier_preparer.quote("key")
+        conflict = f" ON CONFLICT (queue, {key}) DO NOTHING RETURNING {key}"
+        sql = values_insert(self.sa_dialect, stmts.tables.messages, len(rows)) + conflict
+        return set(conn.exec_driver_sql(sql, row_values(rows)).scalars())
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
@@ -380,6 +377,36 @@ class Dialect:
             )
             for r in rows
         ]
+
+
+ROW_COLUMNS = (
+    "queue",
+    "key",
+    "payload",
+    "payload_type",
+    "scheduled_at",
+    "scheduled_at_initially",
+    "created_at",
+    "attempts",
+)
+"""The columns a new message's row sets, in the order of ``values_insert`` and ``row_values``."""
+
+
+def values_insert(dialect: sa.Dialect, table: sa.Table, rows: int) -> str:
+    """``INSERT INTO table (ROW_COLUMNS) VALUES (…), (…), …`` for ``rows`` rows, in the driver's paramstyle.
+
+    Written out rather than compiled: SQLAlchemy would compile a statement per batch size.
+    """
+    quote = dialect.identifier_preparer
+    mark = "?" if dialect.paramstyle == "qmark" else "%s"
+    row = "(" + ", ".join([mark] * len(ROW_COLUMNS)) + ")"
+    columns = ", ".join(quote.quote(c) for c in ROW_COLUMNS)
+    return f"INSERT INTO {quote.format_table(table)} ({columns}) VALUES " + ", ".join([row] * rows)
+
+
+def row_values(rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+    """The parameters of ``values_insert``: each row's ``ROW_COLUMNS``, one row after another."""
+    return tuple(row[c] for row in rows for c in ROW_COLUMNS)
 
 
 LIKE_ESCAPE = "/"

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements
+from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements, row_values, values_insert
 from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 
@@ -99,8 +99,6 @@ class MySQLDialect(Dialect):
             raise
         return True
 
-    insert_many_needs_connection: ClassVar[bool] = False
-
     def insert_many_if_absent(
         self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
@@ -124,14 +122,8 @@ class MySQLDialect(Dialect):
 
     def _insert_rows(self, conn: Executes, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
         """Insert the rows in one statement; False, inserting none, when a key exists."""
-        m = stmts.tables.messages
-        quote = self.sa_dialect.identifier_preparer
-        head = f"INSERT INTO {quote.format_table(m)} ({', '.join(quote.quote(c) for c in _ROW_COLUMNS)}) VALUES "
-        values = "(" + ", ".join(["%s"] * len(_ROW_COLUMNS)) + ")"
         try:
-            conn.exec_driver_sql(
-                head + ", ".join([values] * len(rows)), tuple(r[c] for r in rows for c in _ROW_COLUMNS)
-            )
+            conn.exec_driver_sql(values_insert(self.sa_dialect, stmts.tables.messages, len(rows)), row_values(rows))
         except IntegrityError as exc:
             if self.is_duplicate_key(exc):
                 return False
@@ -139,16 +131,6 @@ class MySQLDialect(Dialect):
         return True
 
 
-_ROW_COLUMNS = (
-    "queue",
-    "key",
-    "payload",
-    "payload_type",
-    "scheduled_at",
-    "scheduled_at_initially",
-    "created_at",
-    "attempts",
-)
 MAX_STATEMENT_BYTES = 4 * 1024 * 1024
 """Payload bytes per multi-row INSERT: well under the server's max_allowed_packet (16 MiB by default)."""
 

@@ -96,8 +96,6 @@ class PostgresDialect(Dialect):
     def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
         return pg_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
 
-    insert_many_needs_connection: ClassVar[bool] = False
-
     def insert_many_if_absent(
         self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
