@@ -6,7 +6,7 @@ import datetime as dt
 
 from conftest import START, count_rows
 
-from delayq import DelayedQueue, ManualClock, OfferOutcome
+from delayq import BytesSerializer, DelayedQueue, ManualClock, OfferOutcome
 
 C, U, IG = OfferOutcome.CREATED, OfferOutcome.UPDATED, OfferOutcome.IGNORED
 HOUR = dt.timedelta(hours=1)
@@ -72,6 +72,18 @@ def test_offer_many_large_batch_spans_chunks(queue: DelayedQueue, engine, queue_
     assert queue.offer_many(items[::2]) == [IG] * 602
     assert count_rows(engine, queue_name) == 1203
     assert queue.offer_many([]) == []
+
+
+def test_offer_many_of_large_payloads_fits_each_statement_in_a_packet(make_queue) -> None:  # type: ignore[no-untyped-def]
+    # 10 MiB in one call: MySQL/MariaDB split the rows over statements of at most 4 MiB of payload,
+    # under the server's max_allowed_packet; a key that exists makes its part fall back and no other.
+    queue = make_queue(serializer=BytesSerializer())
+    blob = bytes(range(256)) * (6 * 4096)  # 6 MiB
+    queue.offer("big-1", b"already here")
+    items = [(f"big-{i}", blob[: (i + 1) * 1024 * 1024], None) for i in range(4)]  # 1 + 2 + 3 + 4 MiB
+    assert queue.offer_many(items) == [C, IG, C, C]
+    assert queue.get("big-3").payload == blob[: 4 * 1024 * 1024]
+    assert queue.get("big-1").payload == b"already here"
 
 
 def test_database_clock_is_used_without_an_injected_clock(make_queue) -> None:  # type: ignore[no-untyped-def]
