@@ -374,6 +374,15 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         print_row(figure)
 
     measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
+    if backend != "sqlite":  # an engine whose connections commit each statement: no COMMIT round trip
+        autocommit = sa.create_engine(URLS[backend], pool_size=10, isolation_level="AUTOCOMMIT")
+        q_auto = DelayedQueue(autocommit, "bench", table_prefix=PREFIX)
+        measure("offer (one per call), engine in autocommit", lambda: offer_single(engine, q_auto, sizes.single))
+        measure(
+            "try_poll + ack, 1 consumer(s), engine in autocommit",
+            lambda: (*consume(engine, q_auto, sizes.consume_single, 1, 1), []),
+        )
+        autocommit.dispose()
     measure("offer_many (500 per call)", lambda: offer_batches(engine, q, sizes.batch))
     for consumers in (1, 4):
         measure(

@@ -71,8 +71,10 @@ class MySQLDialect(Dialect):
         # round trip each way; an engine made with isolation_level="AUTOCOMMIT" saves it.)
         if mode in ("read", "statement"):
             return OwnedStart(commit=not autocommitting)
-        begin = ("START TRANSACTION",) if autocommitting else ()
-        return OwnedStart(sql=("SET TRANSACTION ISOLATION LEVEL READ COMMITTED", *begin))
+        isolation = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        if autocommitting and mode == "scan":  # the statement is a transaction of its own
+            return OwnedStart(sql=(isolation,), commit=False)
+        return OwnedStart(sql=(isolation, "START TRANSACTION") if autocommitting else (isolation,))
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.get_autocommit())
