@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from conftest import make_engine
 from test_worker import handler_for, wait_until
 
-from delayq import DelayedQueue, Delivery, Worker
+from delayq import DelayedQueue, Delivery, OfferOutcome, Worker
 
 
 def victim_engine(name: str, url: str, tag: str) -> tuple[sa.Engine, list[int]]:
@@ -88,3 +88,28 @@ def test_worker_survives_its_connections_being_killed(name: str, backend_urls: d
         admin.dispose()
     assert set(handled) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(10)}
     assert producer.stats().ready == 0
+
+
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
+def test_queue_operations_go_on_after_their_pooled_connections_are_killed(
+    name: str, backend_urls: dict[str, str]
+) -> None:
+    # Each operation finds its pooled connection dead, invalidates it, and is retried whole on a
+    # fresh one: the caller sees nothing.
+    url, tag = backend_urls[name], f"delayq-victim-{uuid.uuid4().hex[:8]}"
+    engine, ids = victim_engine(name, url, tag)
+    admin = make_engine(url)
+    queue = DelayedQueue(engine, f"test-{tag}")
+    try:
+        queue.offer("before", 1)
+        assert kill_connections(name, admin, tag, ids) >= 1
+        assert queue.offer("after", 2) is OfferOutcome.CREATED
+        kill_connections(name, admin, tag, ids)
+        got = queue.try_poll_many(10)
+        assert sorted(d.key for d in got) == ["after", "before"]
+        kill_connections(name, admin, tag, ids)
+        assert queue.ack_many(got) == 2
+        assert queue.next_due() is None
+    finally:
+        engine.dispose()
+        admin.dispose()
