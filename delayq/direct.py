@@ -96,6 +96,18 @@ class DirectConnection:
         self.dbapi_connection: Any = pooled.dbapi_connection
         self._cursor: Any = None
 
+    @classmethod
+    def checkout(cls, engine: Engine) -> DirectConnection:
+        """A connection from the engine's pool; a failure to connect raised as SQLAlchemy raises it."""
+        dialect = engine.dialect
+        try:
+            return cls(engine.raw_connection(), dialect)
+        except dialect.loaded_dbapi.Error as exc:
+            dropped = dialect.is_disconnect(exc, None, None)
+            raise DBAPIError.instance(
+                None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=dropped, dialect=dialect
+            ) from exc
+
     def execute(self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None, /) -> DirectResult:
         sql, args = _bound(_compile(statement, self.dialect), parameters or {})
         return self.exec_driver_sql(sql, args)

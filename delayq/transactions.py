@@ -131,7 +131,7 @@ class Runner:
     @contextlib.contextmanager
     def _owned_direct(self, mode: Mode, engine: Engine) -> Iterator[DirectConnection]:
         """``owned`` on the driver's connection: the same start, commit and pool reset."""
-        conn = DirectConnection(engine.raw_connection(), engine.dialect)
+        conn = DirectConnection.checkout(engine)
         clean = False
         try:
             self.dialect.verify()

@@ -21,6 +21,7 @@ from delayq import (
     PayloadError,
     SchemaMissingError,
     SerializationMismatchError,
+    TransientRetry,
     UnsupportedDatabaseError,
 )
 from delayq.dialects import dialect_class
@@ -110,3 +111,15 @@ def test_servers_with_skip_locked_are_accepted(version: tuple[int, ...], mariadb
 def test_unsupported_backends_are_refused() -> None:
     with pytest.raises(UnsupportedDatabaseError, match="supported: mariadb, mysql, postgresql, sqlite"):
         dialect_class("oracle")
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql+psycopg://postgres@127.0.0.1:1/test", "mysql+mysqldb://root@127.0.0.1:1/test"]
+)
+def test_a_server_that_cannot_be_reached_raises_sqlalchemys_error(url: str) -> None:
+    engine = sa.create_engine(url)
+    queue = DelayedQueue(engine, "unreachable", transient_retry=TransientRetry(attempts=2, first_delay=0.001))
+    with pytest.raises(sa.exc.OperationalError):
+        queue.offer("k", 1)
+    with pytest.raises(sa.exc.OperationalError):
+        queue.try_poll()
