@@ -64,9 +64,13 @@ class Figure:
     p50_ms: float | None = None
     p99_ms: float | None = None
     runs: list[float] = field(default_factory=list)
+    run_ratios: list[float] = field(default_factory=list)  # delayq / ceiling within each run
 
     @property
     def ratio(self) -> float | None:
+        """The median of the per-run ratios: each pairs delayq with the ceiling measured alongside it."""
+        if self.run_ratios:
+            return statistics.median(self.run_ratios)
         return None if not self.ceiling else self.delayq / self.ceiling
 
 
@@ -355,8 +359,16 @@ def median_figure(backend: str, scenario: str, runs: list[tuple[float, float | N
     theirs = [r[1] for r in runs if r[1] is not None]
     lat = [x for r in runs for x in r[2]]
     p50, p99 = percentiles(lat) if lat else (None, None)
+    ratios = [r[0] / r[1] for r in runs if r[1]]
     return Figure(
-        backend, scenario, statistics.median(ours), statistics.median(theirs) if theirs else None, p50, p99, ours
+        backend,
+        scenario,
+        statistics.median(ours),
+        statistics.median(theirs) if theirs else None,
+        p50,
+        p99,
+        ours,
+        ratios,
     )
 
 
@@ -399,13 +411,16 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
             f"worker no-op drain, {workers} worker(s) x 8 slots",
             lambda w=workers: worker_drain(engine, q, sizes.consume_batch, w),
         )
-    runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)] if only in "scale:" else []
-    for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3)):
-        if not runs:
-            break
+    scale_figures = {
+        f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
+        for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
+    }
+    wanted = any(only in scenario for scenario in scale_figures)
+    runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)] if wanted else []
+    for scenario, (i_empty, i_full) in scale_figures.items() if runs else ():
         empty = statistics.median(r[i_empty] for r in runs)
         full = statistics.median(r[i_full] for r in runs)
-        figure = Figure(backend, f"scale: {label} with {sizes.future_rows:,} future rows vs empty", full, empty)
+        figure = Figure(backend, scenario, full, empty, run_ratios=[r[i_full] / r[i_empty] for r in runs])
         figures.append(figure)
         print_row(figure, ceiling_label="empty")
     engine.dispose()
