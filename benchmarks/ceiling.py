@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
@@ -121,8 +121,7 @@ def claim_and_ack(name: str, table: str) -> Callable[[Raw, int], list[str]]:
         f" ORDER BY scheduled_at, id LIMIT {p}" + (" FOR UPDATE SKIP LOCKED" if name == "mysql" else "")
     )
 
-    def run(raw: Raw, n: int) -> list[str]:
-        token = str(uuid.uuid4())
+    def claim_rows(raw: Raw, n: int, token: str) -> list[Any]:
         cur = raw.cursor()
         if name == "sqlite":
             cur.execute("BEGIN IMMEDIATE")
@@ -136,13 +135,36 @@ def claim_and_ack(name: str, table: str) -> Callable[[Raw, int], list[str]]:
                 (rows[0][3] + 300000, token, *[r[0] for r in rows]),
             )
         raw.commit() if name == "mysql" else cur.execute("COMMIT")
+        return list(rows)
+
+    def delete_rows(raw: Raw, token: str) -> None:
+        raw.cursor().execute(f"DELETE FROM {table} WHERE lock_token = {p}", (token,))
+        if name == "mysql":
+            raw.commit()
+
+    def run(raw: Raw, n: int) -> list[str]:
+        token = str(uuid.uuid4())
+        rows = _retrying_deadlocks(raw, lambda: claim_rows(raw, n, token))
         if rows:
-            cur.execute(f"DELETE FROM {table} WHERE lock_token = {p}", (token,))
-            if name == "mysql":
-                raw.commit()
+            _retrying_deadlocks(raw, lambda: delete_rows(raw, token))
         return [r[1] for r in rows]
 
     return run
+
+
+T = TypeVar("T")
+_DEADLOCK, _LOCK_WAIT_TIMEOUT = 1213, 1205
+
+
+def _retrying_deadlocks(raw: Raw, transaction: Callable[[], T]) -> T:
+    """Run a MySQL/MariaDB transaction again after a deadlock, as any client of InnoDB must."""
+    while True:
+        try:
+            return transaction()
+        except Exception as exc:  # the driver's OperationalError
+            if not (exc.args and exc.args[0] in (_DEADLOCK, _LOCK_WAIT_TIMEOUT)):
+                raise
+            raw.rollback()
 
 
 def _key(name: str) -> str:
