@@ -115,7 +115,7 @@ class PostgresDialect(Dialect):
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row
         # by a nested-loop plan and then claims more than n rows.
         rows = conn.execute(_claim_statement(stmts), {**params, "visibility": visibility_ms}).all()
-        claimed = [ClaimedRow(*row) for row in rows]
+        claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: (r.due_at, r.id))
         return claimed
 
