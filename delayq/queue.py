@@ -96,7 +96,7 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> OfferOutcome:
             return self._offer_one(conn, dialect, self._statements(dialect), params, update)
 
-        return self._runner.run_direct(using, op, "statement" if not update else "transaction")
+        return self._runner.run(using, op, "statement" if not update else "transaction")
 
     def offer_many(
         self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
@@ -133,7 +133,7 @@ class DelayedQueue:
                     )
             return [o for o in outcomes if o is not None]
 
-        return self._runner.run_direct(using, op, "transaction")
+        return self._runner.run(using, op, "transaction")
 
     # -- consumers ------------------------------------------------------------------------------
     def try_poll(self, *, using: Using = None) -> Delivery | None:
@@ -162,7 +162,7 @@ class DelayedQueue:
                 raise
 
         try:
-            return self._runner.run_direct(using, op, self._runner.dialect.claim_mode)
+            return self._runner.run(using, op, self._runner.dialect.claim_mode)
         except SerializationMismatchError:
             self._unclaim([(r.id, token, r.due_at) for r in unreadable], using)
             raise
@@ -184,7 +184,7 @@ class DelayedQueue:
             stmt = self._statements(dialect).unclaim
             return sum(conn.execute(stmt, p).rowcount for p in params)
 
-        return self._runner.run_direct(using, op, "transaction")
+        return self._runner.run(using, op, "transaction")
 
     def next_due(self, *, using: Using = None) -> dt.timedelta | None:
         """How long until this queue's next message is due (zero when one is due now); None when empty.
@@ -199,7 +199,7 @@ class DelayedQueue:
                 return None
             return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
 
-        return self._runner.run_direct(using, op, "read")
+        return self._runner.run(using, op, "read")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -233,7 +233,7 @@ class DelayedQueue:
             pairs = [(i, token) for token, ids in by_token.items() for i in ids]
             return conn.execute(stmts.ack_pairs, {"pairs": pairs}).rowcount
 
-        return self._runner.run_direct(using, op, "scan")
+        return self._runner.run(using, op, "scan")
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {
@@ -256,12 +256,12 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(pick(self._statements(dialect)), params).rowcount == 1)
 
-        return self._runner.run_direct(using, op, "statement")
+        return self._runner.run(using, op, "statement")
 
     def _dead_letter(self, d: Delivery, error: str | None, using: Using) -> bool:
         held = {"msg_id": d.id, "token": d.lock_token, **self._now_param()}
 
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        def op(conn: Executes, dialect: Dialect) -> bool:
             stmts = self._statements(dialect)
             row = conn.execute(stmts.select_held, held).first()
             if row is None:
@@ -305,7 +305,7 @@ class DelayedQueue:
                 locked=row.lock_token is not None,
             )
 
-        return self._runner.run_direct(using, op, "read")
+        return self._runner.run(using, op, "read")
 
     def cancel(self, key: str, *, using: Using = None) -> bool:
         """Delete the message stored under ``key``; True when there was one."""
@@ -314,7 +314,7 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
 
-        return self._runner.run_direct(using, op, "statement")
+        return self._runner.run(using, op, "statement")
 
     def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
         """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).
@@ -333,14 +333,14 @@ class DelayedQueue:
         def op(conn: Executes, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
 
-        return self._runner.run_direct(using, op, "statement")
+        return self._runner.run(using, op, "statement")
 
     def stats(self, *, using: Using = None) -> QueueStats:
         """Counts of this queue's messages by state, and the age of the oldest due one."""
         params = {"queue_name": self.name, **self._now_param()}
 
-        def op(conn: Connection, dialect: Dialect) -> QueueStats:
-            r = conn.execute(self._statements(dialect).stats, params).one()
+        def op(conn: Executes, dialect: Dialect) -> QueueStats:
+            r = conn.execute(self._statements(dialect).stats, params).first()
             age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
             return QueueStats(
                 ready=int(r.ready),
@@ -357,7 +357,7 @@ class DelayedQueue:
         """This queue's dead letters, oldest first; page with ``after_id`` (the last ``id`` seen)."""
         params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
 
-        def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
+        def op(conn: Executes, dialect: Dialect) -> list[DeadMessage]:
             rows = conn.execute(self._statements(dialect).dead_letters, params).all()
             return [
                 DeadMessage(
@@ -382,7 +382,7 @@ class DelayedQueue:
         """
         params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
 
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        def op(conn: Executes, dialect: Dialect) -> bool:
             stmts = self._statements(dialect)
             row = conn.execute(stmts.dead_latest, params).first()
             if row is None or not dialect.insert_if_absent(
@@ -403,7 +403,7 @@ class DelayedQueue:
             raise InvalidInputError("purge_dead takes key=, key_prefix=, or everything=True")
         stmt = purge_dead_statement(self.tables, None if key is None else check_key(key), key_prefix)
 
-        def op(conn: Connection, dialect: Dialect) -> int:
+        def op(conn: Executes, dialect: Dialect) -> int:
             return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
 
         return self._runner.run(using, op, "scan")
@@ -422,7 +422,7 @@ class DelayedQueue:
             "keep_prefix": None if keep_prefix is None else starts_with(keep_prefix),
         }
 
-        def op(conn: Connection, dialect: Dialect) -> int:
+        def op(conn: Executes, dialect: Dialect) -> int:
             return int(conn.execute(stmt, params).rowcount)
 
         return self._runner.run(using, op, "scan")
@@ -435,8 +435,8 @@ class DelayedQueue:
         latest_stmt, older_stmt = coalesce_statements(self.tables)
         params = {"queue_name": self.name, "prefix": starts_with(prefix), "now_ms": to_ms(now)}
 
-        def op(conn: Connection, dialect: Dialect) -> int:
-            latest = conn.execute(latest_stmt, params).scalar()
+        def op(conn: Executes, dialect: Dialect) -> int:
+            latest = conn.execute(latest_stmt, params).scalar_one()
             if latest is None:
                 return 0
             return int(conn.execute(older_stmt, {**params, "latest": latest}).rowcount)
@@ -446,7 +446,7 @@ class DelayedQueue:
     def run(self, operation: Callable[[Connection], T], *, using: Using = None) -> T:
         """Run ``operation(conn)`` in one transaction: delayq's own (retried whole on transient errors)
         or the caller's. Pass ``conn`` as ``using=`` to the queue operations inside."""
-        return self._runner.run(using, lambda conn, _: operation(conn), "transaction")
+        return self._runner.run_in_connection(using, lambda conn, _: operation(conn), "transaction")
 
     # -- internals ------------------------------------------------------------------------------
     def _statements(self, dialect: Dialect) -> Statements:

