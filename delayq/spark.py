@@ -206,12 +206,7 @@ def check_url(url: str) -> None:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as exc:
         raise UnsupportedDatabaseError(f"bad database URL {url!r}: {exc}") from None
-    dialect_class(parsed.get_backend_name())
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-        raise UnsupportedDatabaseError(
-            "an in-memory SQLite database lives in one process: executors need a file "
-            "(sqlite:///path/to/file.db) or a server"
-        )
+    dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
 
 
 MESSAGE_SCHEMA = T.StructType(

@@ -29,6 +29,14 @@ class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
     min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
 
+    @classmethod
+    def check_shared_url(cls, url: sa.URL) -> None:
+        if url.database in (None, "", ":memory:"):
+            raise UnsupportedDatabaseError(
+                "an in-memory SQLite database lives in one process: executors need a file "
+                "(sqlite:///path/to/file.db) or a server"
+            )
+
     def check_server(self) -> None:
         if sqlite3.sqlite_version_info < self.min_version:
             raise UnsupportedDatabaseError(
