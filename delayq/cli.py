@@ -402,13 +402,16 @@ def _dead_command(verb: str) -> Callable[..., None]:
         engine = sa.create_engine(ctx.obj["url"])
         q, done = admin_queue(engine, ctx, queue), 0
         try:
-            with (
-                click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
-                if len(keys) > 100
-                else _plain(keys) as bar
-            ):
-                for k in bar:
-                    done += q.requeue_dead(k) if verb == "requeue" else q.purge_dead(key=k)
+            if verb == "purge":  # one statement, whatever the number of keys
+                done = q.purge_dead(key=key, key_prefix=key_prefix, everything=everything)
+            else:
+                with (
+                    click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
+                    if len(keys) > 100
+                    else _plain(keys) as bar
+                ):
+                    for k in bar:
+                        done += q.requeue_dead(k)
         finally:
             engine.dispose()
         click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")

@@ -246,18 +246,14 @@ class Worker:
         """
         with self._lock:
             done, self._to_ack = self._to_ack, []
-        by_queue: dict[str, list[Delivery]] = {}
-        for r in done:
-            by_queue.setdefault(r.queue.name, []).append(r.delivery)
-        for name, deliveries in by_queue.items():
-            queue = self._queues[name][1]
+        for queue, deliveries in _by_queue(done):
             try:
                 lost = len(deliveries) - queue.ack_many(deliveries)
             except (DBAPIError, DelayqError) as exc:
-                log.warning("%s: could not ack %d message(s) (%s); they come again", name, len(deliveries), exc)
+                log.warning("%s: could not ack %d message(s) (%s); they come again", queue.name, len(deliveries), exc)
                 continue
             if lost:
-                log.warning("%s: %d lock(s) lost before the ack; those messages come again", name, lost)
+                log.warning("%s: %d lock(s) lost before the ack; those messages come again", queue.name, lost)
         with self._lock:
             self.handled += len(done)
 
@@ -345,13 +341,19 @@ class Worker:
         with self._lock:
             running = list(self._running.values())
         unstarted = [r for r in running if r.future is not None and r.future.cancel()]
-        for r in unstarted:
-            with self._lock:
+        with self._lock:
+            for r in unstarted:
                 self._running.pop(id(r), None)
+        for queue, deliveries in _by_queue(unstarted):
             try:
-                r.queue.release([r.delivery])
+                queue.release(deliveries)  # one transaction per queue
             except (DBAPIError, DelayqError) as exc:
-                log.warning("could not release %r (%s); it returns after its visibility timeout", r.delivery.key, exc)
+                log.warning(
+                    "%s: could not release %d message(s) (%s); they return after their timeout",
+                    queue.name,
+                    len(deliveries),
+                    exc,
+                )
         deadline = time.monotonic() + self.shutdown_timeout
         while self._free_slots() < self.concurrency and time.monotonic() < deadline:
             self._slot_freed.wait(0.05)
@@ -394,3 +396,11 @@ class Worker:
     def queues(self) -> Sequence[DelayedQueue]:
         """The queues this worker consumes."""
         return [q for _, q in self._queues.values()]
+
+
+def _by_queue(runnings: Iterable[_Running]) -> list[tuple[DelayedQueue, list[Delivery]]]:
+    """The deliveries grouped by queue, for one statement per queue."""
+    groups: dict[str, tuple[DelayedQueue, list[Delivery]]] = {}
+    for r in runnings:
+        groups.setdefault(r.queue.name, (r.queue, []))[1].append(r.delivery)
+    return list(groups.values())
