@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 
 import pytest
 from conftest import Backend
@@ -107,18 +108,21 @@ def test_the_emitted_sql_is_pinned(name: str, pick: str) -> None:
 @pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
 def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backend, plan_cache_mode: str) -> None:
     # psycopg prepares a statement run five times; PostgreSQL may then plan it once for any
-    # parameters (the generic plan), where a bound LIMIT once made it hash-join the whole table.
-    tables = make_tables()
+    # parameters (the generic plan). Tables of its own, made and dropped in the test's
+    # transaction: the plan depends on their size, not on what other tests left behind.
+    prefix = f"explain_{uuid.uuid4().hex[:8]}_"
+    tables = make_tables(prefix)
     stmts = dialect_class("postgresql")(postgres.engine.dialect).statements(tables, False)
     with postgres.engine.connect() as conn:
         conn.begin()
+        tables.metadata.create_all(conn)
         conn.exec_driver_sql(
-            "INSERT INTO delayq_messages (queue, key, payload, payload_type, scheduled_at,"
+            f"INSERT INTO {prefix}messages (queue, key, payload, payload_type, scheduled_at,"
             " scheduled_at_initially, created_at)"
             " SELECT 'explain-' || mod(g, 10), 'k' || g, '\\x00', 'json', g, g, 0"
             " FROM generate_series(1, 100000) AS g"
         )
-        conn.exec_driver_sql("ANALYZE delayq_messages")
+        conn.exec_driver_sql(f"ANALYZE {prefix}messages")
         compiled = _claim_statement(stmts).compile(dialect=conn.dialect)
         expanded = compiled.construct_expanded_state(
             {"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1}
@@ -137,6 +141,6 @@ def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backen
         plan = "\n".join(conn.exec_driver_sql(f"EXPLAIN EXECUTE delayq_claim({arguments})").scalars())
         conn.exec_driver_sql("DEALLOCATE delayq_claim")  # prepared statements outlive the transaction
         conn.rollback()
-    assert "Index Scan using delayq_messages_due_ix" in plan, plan
-    assert "Seq Scan on delayq_messages" not in plan, plan
+    assert f"Index Scan using {prefix}messages_due_ix" in plan, plan
+    assert f"Seq Scan on {prefix}messages" not in plan, plan
     assert "LockRows" in plan and "CTE picked" in plan, plan
