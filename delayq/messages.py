@@ -92,8 +92,6 @@ class Delivery:
     """When the lock expires unless extended."""
     lock_token: str
     _queue: DelayedQueue = field(repr=False)
-    _claim_size: int = field(default=1, repr=False)
-    """How many deliveries the claim that made this one returned (all share its lock token)."""
 
     @property
     def redelivered(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -14,8 +15,7 @@ from sqlalchemy.engine import Connection, Engine
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import cancel_prefix_statement, coalesce_statements, purge_dead_statement, starts_with
-from delayq.direct import Executes
-from delayq.errors import InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
+from delayq.errors import DelayqError, InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
 from delayq.serializers import JsonSerializer, Serializer, encode
@@ -24,6 +24,7 @@ from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
 __all__ = ["At", "DelayedQueue", "Using"]
 
 T = TypeVar("T")
+log = logging.getLogger("delayq")
 
 At = dt.datetime | dt.timedelta | None
 """A due time: an aware datetime, a timedelta from now, or None for now."""
@@ -47,6 +48,10 @@ class DelayedQueue:
             ``delayq_dead_letters`` in the connection's default schema.
         transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
         notify: on PostgreSQL, wake listening workers (NOTIFY) when an offer commits. True.
+        max_deliveries: a claim that would deliver a message for the ``max_deliveries + 1``-th
+            time moves it to the dead letters instead ("delivered N times without an outcome"):
+            a message whose consumer dies every time does not come back forever. None (no cap)
+            by default; a ``Worker`` sets its handler's ``retry.max_attempts``.
 
     Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
     transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.
@@ -64,6 +69,7 @@ class DelayedQueue:
         schema: str | None = None,
         transient_retry: TransientRetry = DEFAULT_RETRY,
         notify: bool = True,
+        max_deliveries: int | None = None,
     ) -> None:
         self.name = check_queue_name(name)
         self.engine = engine
@@ -74,6 +80,9 @@ class DelayedQueue:
         self.serializer: Serializer = serializer or JsonSerializer()
         self.clock = clock
         self.notify = notify
+        if max_deliveries is not None and max_deliveries < 1:
+            raise InvalidInputError("max_deliveries must be at least 1")
+        self.max_deliveries = max_deliveries
         self.tables = make_tables(table_prefix, schema)
         self._runner = Runner(engine, self.tables, transient_retry)
 
@@ -93,7 +102,7 @@ class DelayedQueue:
         """
         params = self._offer_params(key, payload, at)
 
-        def op(conn: Executes, dialect: Dialect) -> OfferOutcome:
+        def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
             return self._offer_one(conn, dialect, self._statements(dialect), params, update)
 
         return self._runner.run(using, op, "statement" if not update else "transaction")
@@ -111,7 +120,7 @@ class DelayedQueue:
         if not prepared:
             return []
 
-        def op(conn: Executes, dialect: Dialect) -> list[OfferOutcome]:
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
             now = self._now_ms(conn, stmts)
             outcomes: list[OfferOutcome | None] = [None] * len(prepared)
@@ -148,24 +157,14 @@ class DelayedQueue:
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
-        token = str(uuid.uuid4())
 
-        unreadable: list[ClaimedRow] = []
+        def op(conn: Connection, dialect: Dialect) -> list[ClaimedRow]:
+            # A fresh token on every attempt: when an attempt's commit succeeded unseen (its reply
+            # lost), the rows it locked carry a token nobody holds and return after the timeout.
+            params = {"queue_name": self.name, "limit": limit, "token": new_token(), **self._now_param()}
+            return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
-        def op(conn: Executes, dialect: Dialect) -> list[Delivery]:
-            params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
-            rows = dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
-            try:
-                return self._deliveries(rows, token)
-            except SerializationMismatchError:
-                unreadable[:] = rows  # a claim in a transaction rolls back; a one-statement claim is undone below
-                raise
-
-        try:
-            return self._runner.run(using, op, self._runner.dialect.claim_mode)
-        except SerializationMismatchError:
-            self._unclaim([(r.id, token, r.due_at) for r in unreadable], using)
-            raise
+        return self._deliveries(self._runner.run(using, op, self._runner.dialect.claim_mode), using)
 
     def release(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Give deliveries back unprocessed: due again at once, the attempt not counted.
@@ -180,7 +179,7 @@ class DelayedQueue:
         if not params:
             return 0
 
-        def op(conn: Executes, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> int:
             stmt = self._statements(dialect).unclaim
             return sum(conn.execute(stmt, p).rowcount for p in params)
 
@@ -193,8 +192,8 @@ class DelayedQueue:
         """
         params = {"queue_name": self.name, **self._now_param()}
 
-        def op(conn: Executes, dialect: Dialect) -> dt.timedelta | None:
-            row = conn.execute(self._statements(dialect).next_due, params).first()
+        def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
+            row = conn.execute(self._statements(dialect).next_due, params).one()
             if row.next_due is None:
                 return None
             return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
@@ -212,28 +211,31 @@ class DelayedQueue:
             yield conn
 
     def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
-        """Delete delivered messages whose locks these deliveries still hold; returns how many."""
-        by_token: dict[str, set[int]] = {}
-        claim_sizes: dict[str, int] = {}
+        """Delete delivered messages whose locks these deliveries still hold; returns how many.
+
+        Each message is named by its id and lock token: a token alone never deletes anything.
+        """
+        pairs: dict[tuple[int, str], None] = {}
         for d in deliveries:
             if d.queue != self.name:
                 raise InvalidInputError(f"delivery of {d.key!r} belongs to queue {d.queue!r}, not {self.name!r}")
-            by_token.setdefault(d.lock_token, set()).add(d.id)
-            claim_sizes[d.lock_token] = d._claim_size
-        if not by_token:
+            pairs[d.id, d.lock_token] = None
+        if not pairs:
             return 0
+        tokens = {token for _, token in pairs}
 
-        def op(conn: Executes, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
-            if len(by_token) == 1:
-                [(token, ids)] = by_token.items()
-                if len(ids) == claim_sizes[token]:  # the whole claim: its token alone picks its rows
-                    return conn.execute(stmts.ack_claim, {"token": token}).rowcount
-                return conn.execute(stmts.ack, {"token": token, "ids": list(ids)}).rowcount
-            pairs = [(i, token) for token, ids in by_token.items() for i in ids]
-            return conn.execute(stmts.ack_pairs, {"pairs": pairs}).rowcount
+            if len(tokens) == 1:
+                [token] = tokens
+                return int(conn.execute(stmts.ack, {"token": token, "ids": [i for i, _ in pairs]}).rowcount)
+            return int(conn.execute(stmts.ack_pairs, {"pairs": list(pairs)}).rowcount)
 
-        return self._runner.run(using, op, "scan")
+        acked = self._runner.run(using, op, "scan")
+        if acked > len(pairs):  # cannot happen while ids are unique; never silently
+            log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
+            raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
+        return acked
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {
@@ -253,35 +255,41 @@ class DelayedQueue:
         return self._held_update(lambda s: s.extend, params, using)
 
     def _held_update(self, pick: Callable[[Statements], sa.Executable], params: dict[str, Any], using: Using) -> bool:
-        def op(conn: Executes, dialect: Dialect) -> bool:
+        def op(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(pick(self._statements(dialect)), params).rowcount == 1)
 
         return self._runner.run(using, op, "statement")
 
     def _dead_letter(self, d: Delivery, error: str | None, using: Using) -> bool:
-        held = {"msg_id": d.id, "token": d.lock_token, **self._now_param()}
+        return self._dead_letter_held([(d.id, d.lock_token, error)], using) == 1
 
-        def op(conn: Executes, dialect: Dialect) -> bool:
+    def _dead_letter_held(self, held: Sequence[tuple[int, str, str | None]], using: Using) -> int:
+        """Move held messages ``(id, token, error)`` to the dead letters, in one transaction; how many."""
+
+        def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
-            row = conn.execute(stmts.select_held, held).first()
-            if row is None:
-                return False
-            conn.execute(
-                stmts.insert_dead,
-                {
-                    "queue": row.queue,
-                    "key": row.key,
-                    "payload": row.payload,
-                    "payload_type": row.payload_type,
-                    "scheduled_at_initially": row.scheduled_at_initially,
-                    "created_at": row.created_at,
-                    "attempts": row.attempts,
-                    "last_error": error,
-                    "failed_at": row.now,
-                },
-            )
-            conn.execute(stmts.delete_held, held)
-            return True
+            moved = 0
+            for msg_id, token, error in held:
+                params = {"msg_id": msg_id, "token": token, **self._now_param()}
+                row = conn.execute(stmts.select_held, params).first()
+                if row is None:
+                    continue
+                conn.execute(
+                    stmts.insert_dead,
+                    {
+                        "queue": row.queue,
+                        "key": row.key,
+                        "payload": row.payload,
+                        "payload_type": row.payload_type,
+                        "scheduled_at_initially": row.scheduled_at_initially,
+                        "created_at": row.created_at,
+                        "attempts": row.attempts,
+                        "last_error": error,
+                        "failed_at": row.now,
+                    },
+                )
+                moved += conn.execute(stmts.delete_held, params).rowcount
+            return moved
 
         return self._runner.run(using, op, "transaction")
 
@@ -290,7 +298,7 @@ class DelayedQueue:
         """The message stored under ``key``, or None."""
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
-        def op(conn: Executes, dialect: Dialect) -> Message | None:
+        def op(conn: Connection, dialect: Dialect) -> Message | None:
             row = conn.execute(self._statements(dialect).get, params).first()
             if row is None:
                 return None
@@ -311,7 +319,7 @@ class DelayedQueue:
         """Delete the message stored under ``key``; True when there was one."""
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
-        def op(conn: Executes, dialect: Dialect) -> bool:
+        def op(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
 
         return self._runner.run(using, op, "statement")
@@ -330,7 +338,7 @@ class DelayedQueue:
             **self._now_param(),
         }
 
-        def op(conn: Executes, dialect: Dialect) -> bool:
+        def op(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
 
         return self._runner.run(using, op, "statement")
@@ -339,8 +347,8 @@ class DelayedQueue:
         """Counts of this queue's messages by state, and the age of the oldest due one."""
         params = {"queue_name": self.name, **self._now_param()}
 
-        def op(conn: Executes, dialect: Dialect) -> QueueStats:
-            r = conn.execute(self._statements(dialect).stats, params).first()
+        def op(conn: Connection, dialect: Dialect) -> QueueStats:
+            r = conn.execute(self._statements(dialect).stats, params).one()
             age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
             return QueueStats(
                 ready=int(r.ready),
@@ -357,7 +365,7 @@ class DelayedQueue:
         """This queue's dead letters, oldest first; page with ``after_id`` (the last ``id`` seen)."""
         params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
 
-        def op(conn: Executes, dialect: Dialect) -> list[DeadMessage]:
+        def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
             rows = conn.execute(self._statements(dialect).dead_letters, params).all()
             return [
                 DeadMessage(
@@ -382,7 +390,7 @@ class DelayedQueue:
         """
         params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
 
-        def op(conn: Executes, dialect: Dialect) -> bool:
+        def op(conn: Connection, dialect: Dialect) -> bool:
             stmts = self._statements(dialect)
             row = conn.execute(stmts.dead_latest, params).first()
             if row is None or not dialect.insert_if_absent(
@@ -403,7 +411,7 @@ class DelayedQueue:
             raise InvalidInputError("purge_dead takes key=, key_prefix=, or everything=True")
         stmt = purge_dead_statement(self.tables, None if key is None else check_key(key), key_prefix)
 
-        def op(conn: Executes, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> int:
             return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
 
         return self._runner.run(using, op, "scan")
@@ -422,7 +430,7 @@ class DelayedQueue:
             "keep_prefix": None if keep_prefix is None else starts_with(keep_prefix),
         }
 
-        def op(conn: Executes, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> int:
             return int(conn.execute(stmt, params).rowcount)
 
         return self._runner.run(using, op, "scan")
@@ -435,7 +443,7 @@ class DelayedQueue:
         latest_stmt, older_stmt = coalesce_statements(self.tables)
         params = {"queue_name": self.name, "prefix": starts_with(prefix), "now_ms": to_ms(now)}
 
-        def op(conn: Executes, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> int:
             latest = conn.execute(latest_stmt, params).scalar_one()
             if latest is None:
                 return 0
@@ -446,7 +454,7 @@ class DelayedQueue:
     def run(self, operation: Callable[[Connection], T], *, using: Using = None) -> T:
         """Run ``operation(conn)`` in one transaction: delayq's own (retried whole on transient errors)
         or the caller's. Pass ``conn`` as ``using=`` to the queue operations inside."""
-        return self._runner.run_in_connection(using, lambda conn, _: operation(conn), "transaction")
+        return self._runner.run(using, lambda conn, _: operation(conn), "transaction")
 
     # -- internals ------------------------------------------------------------------------------
     def _statements(self, dialect: Dialect) -> Statements:
@@ -455,7 +463,7 @@ class DelayedQueue:
     def _now_param(self) -> dict[str, int]:
         return {} if self.clock is None else {"now": to_ms(self.clock.now())}
 
-    def _now_ms(self, conn: Executes, stmts: Statements) -> int:
+    def _now_ms(self, conn: Connection, stmts: Statements) -> int:
         if self.clock is not None:
             return to_ms(self.clock.now())
         return int(conn.execute(stmts.now_select).scalar_one())
@@ -473,7 +481,7 @@ class DelayedQueue:
         }
 
     def _offer_one(
-        self, conn: Executes, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
     ) -> OfferOutcome:
         while True:
             if dialect.insert_if_absent(conn, stmts, params):
@@ -507,9 +515,14 @@ class DelayedQueue:
                     conn.execute(stmts.notify, params)
                 return OfferOutcome.UPDATED
 
-    def _deliveries(self, rows: list[ClaimedRow], token: str) -> list[Delivery]:
-        """The deliveries of one claim. They share its lock expiry, and often their times too
-        (messages offered together): each distinct time is converted once."""
+    def _deliveries(self, rows: list[ClaimedRow], using: Using) -> list[Delivery]:
+        """The deliveries of one claim, each row decoded on its own.
+
+        A row that cannot be decoded, or that was delivered ``max_deliveries`` times without an
+        outcome (its consumer died every time), is moved to the dead letters with the reason,
+        instead of failing the whole claim or coming back forever. The claim's rows share its
+        lock expiry, and often their times too: each distinct time is converted once.
+        """
         times: dict[int, dt.datetime] = {}
 
         def at(ms: int) -> dt.datetime:
@@ -518,22 +531,35 @@ class DelayedQueue:
                 found = times[ms] = from_ms(ms)
             return found
 
-        return [
-            Delivery(
-                id=row.id,
-                key=row.key,
-                payload=self._decode(row.key, row.payload_type, row.payload),
-                attempts=row.attempts,
-                scheduled_at=at(row.due_at),
-                scheduled_at_initially=at(row.scheduled_at_initially),
-                created_at=at(row.created_at),
-                locked_until=at(row.locked_until),
-                lock_token=token,
-                _queue=self,
-                _claim_size=len(rows),
+        deliveries: list[Delivery] = []
+        dead: list[tuple[int, str, str | None]] = []
+        for row in rows:
+            if self.max_deliveries is not None and row.attempts > self.max_deliveries:
+                dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
+                continue
+            try:
+                payload = self._decode(row.key, row.payload_type, row.payload)
+            except SerializationMismatchError as exc:
+                dead.append((row.id, row.lock_token, str(exc)))
+                continue
+            deliveries.append(
+                Delivery(
+                    id=row.id,
+                    key=row.key,
+                    payload=payload,
+                    attempts=row.attempts,
+                    scheduled_at=at(row.due_at),
+                    scheduled_at_initially=at(row.scheduled_at_initially),
+                    created_at=at(row.created_at),
+                    locked_until=at(row.locked_until),
+                    lock_token=row.lock_token,
+                    _queue=self,
+                )
             )
-            for row in rows
-        ]
+        if dead:
+            log.warning("%s: %d claimed message(s) moved to the dead letters: %s", self.name, len(dead), dead[0][2])
+            self._dead_letter_held(dead, using)
+        return deliveries
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
         tag = self.serializer.type_tag
@@ -591,3 +617,8 @@ def _check_name(value: object, what: str, limit: int, error: type[InvalidInputEr
     if len(value) > limit:
         raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
     return value
+
+
+def new_token() -> str:
+    """A fresh lock token: one per claim attempt."""
+    return str(uuid.uuid4())

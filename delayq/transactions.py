@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from delayq.dialects import Dialect, Mode, dialect_for
-from delayq.direct import DirectConnection, Executes, watched
 from delayq.errors import SchemaMissingError
 from delayq.schema import Tables
 
@@ -31,7 +31,6 @@ T = TypeVar("T")
 C = TypeVar("C")
 Using = Engine | Connection | Session | None
 Operation = Callable[[Connection, Dialect], T]
-DirectOperation = Callable[[Executes, Dialect], T]
 
 
 @dataclass(frozen=True)
@@ -53,36 +52,25 @@ DEFAULT_RETRY = TransientRetry()
 
 
 class Runner:
-    """Runs operations against one engine and table set."""
+    """Runs operations against one engine and table set, always on SQLAlchemy's own ``Connection``."""
 
     def __init__(self, engine: Engine, tables: Tables, retry: TransientRetry = DEFAULT_RETRY) -> None:
-        self.engine = engine
+        self.engine = check_sync_engine(engine)
         self.tables = tables
         self.retry = retry
         self.dialect = dialect_for(engine)
 
-    def run(self, using: Using, operation: DirectOperation[T], mode: Mode) -> T:
+    def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
         """Run ``operation(conn, dialect)`` in the caller's transaction or in one of delayq's own.
 
         ``mode`` says what the operation does, so that delayq's own transaction starts right
-        (see ``Mode``). delayq's own transaction runs on the driver's connection directly
-        (see ``delayq.direct``) unless someone watches the engine's statements.
+        (see ``Mode``); it is retried whole on transient errors. In the caller's transaction it
+        runs once and errors reach the caller.
         """
-        if using is not None and not isinstance(using, Engine):
-            return self._in_caller(_caller_connection(using), operation)
-        engine = using or self.engine
-        if watched(engine):
-            return self._retrying(lambda: self.owned(mode, engine), operation)
-        return self._retrying(lambda: self._owned_direct(mode, engine), operation)
-
-    def run_in_connection(self, using: Using, operation: Operation[T], mode: Mode) -> T:
-        """Like ``run``, for operations that need SQLAlchemy's ``Connection`` (they hand it to user code)."""
         if using is None or isinstance(using, Engine):
-            engine = using or self.engine
-            return self._retrying(lambda: self.owned(mode, engine), operation)
-        return self._in_caller(_caller_connection(using), operation)
-
-    def _in_caller(self, conn: Connection, operation: Operation[T]) -> T:
+            engine = self.engine if using is None else check_sync_engine(using)
+            return self._retrying(engine, mode, operation)
+        conn = caller_connection(using)
         try:
             self.dialect.verify()
             return operation(conn, self.dialect)
@@ -90,14 +78,12 @@ class Runner:
             self._raise_if_schema_missing(exc)
             raise
 
-    def _retrying(
-        self, transaction: Callable[[], contextlib.AbstractContextManager[C]], operation: Callable[[C, Dialect], T]
-    ) -> T:
+    def _retrying(self, engine: Engine, mode: Mode, operation: Operation[T]) -> T:
         """Run ``operation`` in a fresh owned transaction, again on transient errors."""
         attempt = 0
         while True:
             try:
-                with transaction() as conn:
+                with self.owned(mode, engine) as conn:
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
@@ -110,49 +96,29 @@ class Runner:
                     pause,
                     attempt + 1,
                     self.retry.attempts,
-                    exc.orig,
+                    type(exc.orig).__name__ if engine.hide_parameters else exc.orig,
                 )
                 time.sleep(pause)
 
     @contextlib.contextmanager
     def owned(self, mode: Mode, engine: Engine | None = None) -> Iterator[Connection]:
-        """A fresh connection, its transaction begun as ``mode`` needs; committed when the block ends well."""
+        """A fresh connection, its transaction begun as ``mode`` needs; committed when the block ends well.
+
+        When the block raises, closing the connection rolls back whatever it began, so no
+        transaction or lock outlives a failed operation (whatever the pool's reset on return).
+        """
         with (engine or self.engine).connect() as conn:
             self.dialect.verify()
             start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.connection.dbapi_connection))
             if start.autocommit:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
+            elif start.commit:
+                conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
             for sql in start.sql:
                 conn.exec_driver_sql(sql)
             yield conn
             if start.commit:
                 conn.commit()
-
-    @contextlib.contextmanager
-    def _owned_direct(self, mode: Mode, engine: Engine) -> Iterator[DirectConnection]:
-        """``owned`` on the driver's connection: the same start, commit and pool reset."""
-        conn = DirectConnection.checkout(engine)
-        clean = False
-        try:
-            self.dialect.verify()
-            start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.dbapi_connection))
-            if start.autocommit:
-                engine.dialect.set_isolation_level(conn.dbapi_connection, "AUTOCOMMIT")
-            try:
-                for sql in start.sql:
-                    conn.exec_driver_sql(sql)
-                yield conn
-                if start.commit:
-                    conn.commit()
-                clean = True  # no transaction left open
-            finally:
-                if start.autocommit and conn.pooled.is_valid:
-                    try:
-                        engine.dialect.reset_isolation_level(conn.dbapi_connection)
-                    except engine.dialect.loaded_dbapi.Error as exc:
-                        conn.pooled.invalidate(exc)
-        finally:
-            conn.close(clean=clean)
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:
         if self.dialect.is_missing_table(exc):
@@ -163,8 +129,36 @@ class Runner:
             ) from exc
 
 
-def _caller_connection(using: Connection | Session) -> Connection:
+def caller_connection(using: Connection | Session) -> Connection:
+    """The ``Connection`` of the caller's transaction (a ``Session``'s, for an ORM session)."""
+    _refuse_async(using)
     conn = using.connection() if isinstance(using, Session) else using
     if not isinstance(conn, Connection):
         raise TypeError(f"using= takes an Engine, a Connection or a Session, not {type(using).__name__}")
     return conn
+
+
+def check_sync_engine(engine: object) -> Engine:
+    """``engine`` if it is a sync ``Engine``; a ``TypeError`` that names the alternative otherwise."""
+    _refuse_async(engine)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"delayq takes a SQLAlchemy Engine (sqlalchemy.create_engine), not {type(engine).__name__}")
+    return engine
+
+
+def _refuse_async(value: object) -> None:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")  # loaded wherever an async object exists
+    if asyncio_ext is None:
+        return
+    if isinstance(value, asyncio_ext.AsyncEngine):
+        raise TypeError(
+            "delayq's queue takes a sync Engine, not an AsyncEngine: pass async_engine.sync_engine "
+            "(the same pool and URL), or build one with sqlalchemy.create_engine"
+        )
+    if isinstance(value, asyncio_ext.AsyncConnection | asyncio_ext.AsyncSession):
+        kind = type(value).__name__
+        name = "session" if kind == "AsyncSession" else "conn"
+        raise TypeError(
+            f"using= takes a sync Connection or Session, not an {kind}: run the operation inside "
+            f"`await {name}.run_sync(lambda sync: queue.offer(..., using=sync))`"
+        )

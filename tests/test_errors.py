@@ -71,18 +71,23 @@ def test_a_key_of_200_characters_fits(queue: DelayedQueue) -> None:
     assert queue.get(key) is not None
 
 
-def test_a_row_of_another_serializer_is_refused_and_the_claim_undone(
+def test_a_row_of_another_serializer_is_dead_lettered_and_the_rest_of_the_claim_delivered(
     make_queue: Callable[..., DelayedQueue],
 ) -> None:
     raw = make_queue(serializer=BytesSerializer())
-    raw.offer("k", b"\x00\xff")
     as_json = make_queue()
+    as_json.offer("a-good", 1, at=dt.timedelta(0))
+    raw.offer("b-poisoned", b"\x00\xff", at=dt.timedelta(0))
+    as_json.offer("c-good", 3, at=dt.timedelta(0))
     with pytest.raises(SerializationMismatchError, match="'bytes'"):
-        as_json.get("k")
-    with pytest.raises(SerializationMismatchError, match="cancel the message"):
-        as_json.try_poll()
-    msg = raw.get("k")
-    assert msg is not None and msg.attempts == 0 and not msg.locked
+        as_json.get("b-poisoned")
+    got = as_json.try_poll_many(10)
+    assert sorted(d.key for d in got) == ["a-good", "c-good"]
+    assert as_json.ack_many(got) == 2
+    assert raw.get("b-poisoned") is None
+    [dead] = raw.dead_letters()
+    assert dead.key == "b-poisoned" and dead.payload == b"\x00\xff"
+    assert dead.last_error is not None and "'bytes'" in dead.last_error
 
 
 def test_missing_tables_say_to_run_migrate(engine: sa.Engine) -> None:

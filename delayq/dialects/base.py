@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, cast
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.direct import Executes
 from delayq.schema import Tables
+
+S = TypeVar("S")
 
 Mode = Literal["read", "statement", "scan", "transaction"]
 """What one of delayq's own operations does, so that its transaction starts right: only reads; one write
@@ -38,6 +40,7 @@ class ClaimedRow(NamedTuple):
     attempts: int
     created_at: int
     scheduled_at_initially: int
+    lock_token: str
 
 
 def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
@@ -76,6 +79,7 @@ class Statements:
 
     def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
         m, dead = tables.messages, tables.dead_letters
+        self._memo: dict[Callable[[Statements], Any], Any] = {}
         self.tables = tables
         self.notifies = notify
         self.now = now
@@ -155,7 +159,6 @@ class Statements:
             sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
-        self.ack_claim = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String))
         # Deliveries of several claims: each id with its own token.
         self.ack_pairs = sa.delete(m).where(
             sa.tuple_(m.c.id, m.c.lock_token).in_(sa.bindparam("pairs", expanding=True))
@@ -245,6 +248,13 @@ class Statements:
             .limit(_bp("limit", sa.Integer))
         )
 
+    def memo(self, build: Callable[[Statements], S]) -> S:
+        """``build(self)``, made once: a statement of one backend's own over these tables."""
+        found = self._memo.get(build)
+        if found is None:
+            found = self._memo[build] = build(self)
+        return cast(S, found)
+
 
 class Dialect:
     """A backend as delayq sees it. Subclasses override what differs; see each override's note."""
@@ -258,6 +268,7 @@ class Dialect:
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         self.sa_dialect = sa_dialect
         self._verified = False
+        self._statements: dict[tuple[Tables, bool, bool], Statements] = {}
 
     # -- capabilities ---------------------------------------------------------------------------
     def verify(self) -> None:
@@ -278,11 +289,17 @@ class Dialect:
         """The database's current time as epoch milliseconds, constant within one statement."""
         raise NotImplementedError
 
-    @functools.cache  # noqa: B019 - one dialect object per engine, kept for the engine's life
     def statements(self, tables: Tables, manual_clock: bool, notify: bool = False) -> Statements:
-        """The shared statements, built once per table set, clock mode and wake-up mode."""
-        now = _bp("now") if manual_clock else self.now_ms()
-        return Statements(self, tables, now, notify and self.can_notify)
+        """The shared statements, built once per table set, clock mode and wake-up mode.
+
+        Kept on this object (one per engine), so they go when the engine goes.
+        """
+        found = self._statements.get((tables, manual_clock, notify))
+        if found is None:
+            now = _bp("now") if manual_clock else self.now_ms()
+            found = Statements(self, tables, now, notify and self.can_notify)
+            self._statements[tables, manual_clock, notify] = found
+        return found
 
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
         """``column IN`` the list of ids bound as ``:ids``."""
@@ -336,12 +353,12 @@ class Dialect:
         """An INSERT that skips rows whose (queue, key) exists (ON CONFLICT DO NOTHING)."""
         raise NotImplementedError
 
-    def insert_if_absent(self, conn: Executes, stmts: Statements, params: Mapping[str, Any]) -> bool:
+    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
         """Insert one message; True when created, False when its key existed."""
         return conn.execute(stmts.insert, params).first() is not None
 
     def insert_many_if_absent(
-        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
         """Insert rows whose keys are absent; return the keys created, in one round trip.
 
@@ -354,7 +371,7 @@ class Dialect:
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
-        self, conn: Executes, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
     ) -> list[ClaimedRow]:
         """Lock up to ``params['limit']`` due messages for this consumer.
 
@@ -380,6 +397,7 @@ class Dialect:
                 r.attempts + 1,
                 r.created_at,
                 r.scheduled_at_initially,
+                params["token"],
             )
             for r in rows
         ]

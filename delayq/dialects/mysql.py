@@ -12,10 +12,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements, row_values, values_insert
-from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 
 # lock wait timeout, deadlock, server gone away, lost connection, can't connect,
@@ -91,7 +91,7 @@ class MySQLDialect(Dialect):
     def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
         return sa.insert(table)
 
-    def insert_if_absent(self, conn: Executes, stmts: Statements, params: Mapping[str, Any]) -> bool:
+    def insert_if_absent(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> bool:
         # InnoDB rolls back just the failed statement; the transaction goes on.
         try:
             conn.execute(stmts.insert, params)
@@ -102,7 +102,7 @@ class MySQLDialect(Dialect):
         return True
 
     def insert_many_if_absent(
-        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
         # One multi-row INSERT per part, assuming first that no key exists (the common case). A
         # duplicate key fails the whole statement, and InnoDB rolls back just that statement: the
@@ -122,7 +122,7 @@ class MySQLDialect(Dialect):
             created.update(r["key"] for r in fresh if self._insert_rows(conn, stmts, [r]))
         return created
 
-    def _insert_rows(self, conn: Executes, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
+    def _insert_rows(self, conn: Connection, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
         """Insert the rows in one statement; False, inserting none, when a key exists."""
         try:
             conn.exec_driver_sql(values_insert(self.sa_dialect, stmts.tables.messages, len(rows)), row_values(rows))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -10,10 +9,10 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
-from delayq.direct import Executes
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
 
@@ -55,12 +54,20 @@ class PostgresDialect(Dialect):
     def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
         from psycopg import sql as psycopg_sql
 
-        cargs, cparams = engine.dialect.create_connect_args(engine.url)
-        with engine.dialect.loaded_dbapi.connect(*cargs, **{**cparams, "autocommit": True}) as conn:
+        # A connection of the engine's own making (its connect_args, do_connect handlers, SSL,
+        # application_name), taken out of the pool for good: it only listens, in autocommit.
+        pooled = engine.raw_connection()
+        pooled.detach()
+        conn: Any = pooled.dbapi_connection
+        try:
+            conn.rollback()
+            conn.autocommit = True
             conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
             while not stop.is_set():
                 for notice in conn.notifies(timeout=0.5):
                     yield notice.payload
+        finally:
+            pooled.close()
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
@@ -97,30 +104,29 @@ class PostgresDialect(Dialect):
         return pg_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
 
     def insert_many_if_absent(
-        self, conn: Executes, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
     ) -> set[str]:
         # One array parameter per column (INSERT ... SELECT FROM unnest): the statement stays
         # small and cached whatever the batch size, instead of 7 parameters per row.
         # One NOTIFY for the batch, in the same transaction, rather than one per row.
         columns = {column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}
-        created = set(conn.execute(_insert_unnest(stmts), columns).scalars())
+        created = set(conn.execute(stmts.memo(_insert_unnest), columns).scalars())
         if created and stmts.notify is not None:
             conn.execute(stmts.notify, {"queue_name": queue})
         return created
 
     def claim(
-        self, conn: Executes, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
     ) -> list[ClaimedRow]:
         # One statement: the MATERIALIZED CTE picks and locks the ids exactly once. The plainer
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row
         # by a nested-loop plan and then claims more than n rows.
-        rows = conn.execute(_claim_statement(stmts), {**params, "visibility": visibility_ms}).all()
+        rows = conn.execute(stmts.memo(_claim_statement), {**params, "visibility": visibility_ms}).all()
         claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: (r.due_at, r.id))
         return claimed
 
 
-@functools.cache
 def _claim_statement(stmts: Statements) -> sa.Update:
     m = stmts.tables.messages
     picked = (
@@ -150,6 +156,7 @@ def _claim_statement(stmts: Statements) -> sa.Update:
             m.c.attempts,
             m.c.created_at,
             m.c.scheduled_at_initially,
+            m.c.lock_token,
         )
     )
 
@@ -165,7 +172,6 @@ _UNNEST_COLUMNS = {
 }
 
 
-@functools.cache
 def _insert_unnest(stmts: Statements) -> sa.Insert:
     m = stmts.tables.messages
     arrays: list[sa.BindParameter[Any]] = [
