@@ -102,6 +102,13 @@ class Delivery:
     def queue(self) -> str:
         return self._queue.name
 
+    @property
+    def label(self) -> str:
+        """``queue 'key'`` for logs; ``queue #id`` when the engine hides parameters (``hide_parameters``)."""
+        if self._queue.engine.hide_parameters:
+            return f"{self.queue} #{self.id}"
+        return f"{self.queue} {self.key!r}"
+
     def ack(self, *, using: Using = None) -> bool:
         """Delete the message; True when this delivery still held the lock."""
         return self._queue.ack_many([self], using=using) == 1

@@ -267,29 +267,25 @@ class Worker:
             error, give_up = f"{type(exc).__name__}: {exc}", handler.retry.gives_up_after(delivery.attempts)
         try:
             if give_up:
-                log.warning(
-                    "%s %r: attempt %d failed, dead-lettered: %s", queue.name, delivery.key, delivery.attempts, error
-                )
+                log.warning("%s: attempt %d failed, dead-lettered: %s", delivery.label, delivery.attempts, error)
                 held = delivery.dead_letter(error)
             else:
                 delay = exc.after if isinstance(exc, Retry) and exc.after is not None else None
                 delay = handler.retry.delay(delivery.attempts) if delay is None else delay
                 log.info(
-                    "%s %r: attempt %d failed, next in %s: %s",
-                    queue.name,
-                    delivery.key,
+                    "%s: attempt %d failed, next in %s: %s",
+                    delivery.label,
                     delivery.attempts,
                     delay,
                     error,
                 )
                 held = delivery.retry(delay, error)
             if not held:
-                log.warning("%s %r: lock lost before the failure was recorded", queue.name, delivery.key)
+                log.warning("%s: lock lost before the failure was recorded", delivery.label)
         except (DBAPIError, DelayqError) as db_error:
             log.warning(
-                "%s %r: could not record the failure (%s); it will be delivered again",
-                queue.name,
-                delivery.key,
+                "%s: could not record the failure (%s); it will be delivered again",
+                delivery.label,
                 db_error,
             )
 
@@ -298,7 +294,7 @@ class Worker:
             handler.handle(delivery, conn)
             if not delivery.ack(using=conn):
                 conn.rollback()
-                log.warning("%s %r: lock lost while handling; its writes were rolled back", queue.name, delivery.key)
+                log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
 
     # -- helpers --------------------------------------------------------------------------------
     def _now(self) -> dt.datetime:
@@ -317,10 +313,10 @@ class Worker:
                     if r.delivery.extend(r.handler.visibility_timeout):
                         r.extend_at = self._extend_at(r.handler)
                     else:
-                        log.warning("%s %r: lock lost; another consumer may have it", r.queue.name, r.delivery.key)
+                        log.warning("%s: lock lost; another consumer may have it", r.delivery.label)
                         r.extend_at = self._now() + dt.timedelta(days=365)
                 except (DBAPIError, DelayqError) as exc:
-                    log.warning("could not extend the lock of %r: %s", r.delivery.key, exc)
+                    log.warning("could not extend the lock of %s: %s", r.delivery.label, exc)
             self._stopped.wait(0.05)
 
     def _listen_loop(self) -> None:

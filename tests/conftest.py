@@ -57,7 +57,9 @@ def make_engine(url: str, **kwargs: Any) -> sa.Engine:
             dbapi_conn.execute("PRAGMA journal_mode=WAL")
 
         return engine
-    return sa.create_engine(url, pool_size=20, max_overflow=20, **kwargs)
+    if "poolclass" not in kwargs:
+        kwargs = {"pool_size": 20, "max_overflow": 20, **kwargs}
+    return sa.create_engine(url, **kwargs)
 
 
 def _docker_answers() -> bool:
