@@ -210,10 +210,13 @@ class DelayedQueue:
         with self._runner.owned("transaction") as conn:
             yield conn
 
-    def ack_many(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
+    def ack_many(self, deliveries: Sequence[Delivery], *, skip_locked: bool = False, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many.
 
         Each message is named by its id and lock token: a token alone never deletes anything.
+        With ``skip_locked=True`` a message that another transaction holds a row lock on (a
+        producer replacing it, an operator's ``SELECT … FOR UPDATE``) is left for a later ack
+        instead of waited for: a background ack never blocks behind someone else's transaction.
         """
         pairs: dict[tuple[int, str], None] = {}
         for d in deliveries:
@@ -226,16 +229,53 @@ class DelayedQueue:
 
         def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
+            if skip_locked:
+                return dialect.delete_held(conn, stmts, {"pairs": list(pairs)})
             if len(tokens) == 1:
                 [token] = tokens
                 return int(conn.execute(stmts.ack, {"token": token, "ids": [i for i, _ in pairs]}).rowcount)
             return int(conn.execute(stmts.ack_pairs, {"pairs": list(pairs)}).rowcount)
 
-        acked = self._runner.run(using, op, "scan")
+        acked = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
             log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
             raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
         return acked
+
+    def extend_many(
+        self, deliveries: Sequence[Delivery], by: dt.timedelta, *, using: Using = None
+    ) -> tuple[list[Delivery], list[Delivery]]:
+        """Push the locks of held deliveries to ``by`` from now, all in one go; never shortens one.
+
+        Returns ``(extended, lost)``: the deliveries whose lock was extended (their
+        ``locked_until`` updated from the database), and those whose lock is gone (expired and
+        taken, or the message replaced or deleted). A delivery in neither list is held but its
+        row is locked by another transaction: it was skipped, not waited for; try it again.
+        """
+        by_ms = duration_ms(by, "by")
+        if by_ms <= 0:
+            raise InvalidInputError("extend_many(by=...) must be positive")
+        pairs = list({(d.id, d.lock_token): None for d in deliveries})
+        if not pairs:
+            return [], []
+
+        def op(conn: Connection, dialect: Dialect) -> tuple[dict[int, int], set[int]]:
+            stmts = self._statements(dialect)
+            params = {"pairs": pairs, "by": by_ms, **self._now_param()}
+            expiries = dialect.extend_held(conn, stmts, params)
+            if len(expiries) == len(pairs):
+                return expiries, set(expiries)
+            return expiries, set(conn.execute(stmts.held_ids, {"pairs": pairs}).scalars())
+
+        expiries, held = self._runner.run(using, op, self._runner.dialect.claim_mode)
+        extended, lost = [], []
+        for d in deliveries:
+            if d.id in expiries:
+                d.locked_until = from_ms(expiries[d.id])
+                extended.append(d)
+            elif d.id not in held:
+                lost.append(d)
+        return extended, lost
 
     def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
         params = {

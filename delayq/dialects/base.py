@@ -168,7 +168,16 @@ class Statements:
             .where(held)
             .values(scheduled_at=now + _bp("delay"), lock_token=None, last_error=_bp("error", sa.Text))
         )
-        self.extend = sa.update(m).where(held).values(scheduled_at=now + _bp("by"))
+        # Never shortens a lock: a heartbeat that ran late or a smaller ``by`` keeps the later expiry.
+        extended = self.extended_expiry = dialect.greatest(m.c.scheduled_at, now + _bp("by"))
+        self.extend = sa.update(m).where(held).values(scheduled_at=extended)
+        # Several held messages at once, each named by (id, token): heartbeats and background acks.
+        held_pairs = sa.tuple_(m.c.id, m.c.lock_token).in_(sa.bindparam("pairs", expanding=True))
+        self.held_ids = sa.select(m.c.id).where(held_pairs)
+        self.lock_held_skipping = sa.select(m.c.id).where(held_pairs).with_for_update(skip_locked=True)
+        self.extend_ids = sa.update(m).where(dialect.id_in(m.c.id)).values(scheduled_at=extended)
+        self.expiry_of = sa.select(m.c.id, m.c.scheduled_at).where(dialect.id_in(m.c.id))
+        self.delete_ids = sa.delete(m).where(dialect.id_in(m.c.id))
         self.select_held = (
             sa.select(
                 m.c.queue,
@@ -305,6 +314,10 @@ class Dialect:
         """``column IN`` the list of ids bound as ``:ids``."""
         return column.in_(sa.bindparam("ids", expanding=True))
 
+    def greatest(self, a: sa.ColumnElement[int], b: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+        """The larger of two values (GREATEST)."""
+        return sa.func.greatest(a, b, type_=sa.BigInteger)
+
     # -- wake-ups -------------------------------------------------------------------------------
     #: Whether offers can wake listening workers when they commit (LISTEN/NOTIFY).
     can_notify: ClassVar[bool] = False
@@ -401,6 +414,29 @@ class Dialect:
             )
             for r in rows
         ]
+
+    def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:
+        """Extend the locks of the held messages ``params['pairs']`` (id, token) by ``params['by']`` ms.
+
+        Rows that another transaction has locked are skipped, never waited for. Returns the new
+        expiry of each message extended. The shared shape: lock the rows SKIP LOCKED, update
+        them by id, read their expiry back; in one transaction.
+        """
+        ids = list(conn.execute(stmts.lock_held_skipping, params).scalars())
+        if not ids:
+            return {}
+        conn.execute(stmts.extend_ids, {**params, "ids": ids})
+        return {int(r.id): int(r.scheduled_at) for r in conn.execute(stmts.expiry_of, {"ids": ids})}
+
+    def delete_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> int:
+        """Delete the held messages ``params['pairs']`` (id, token) that no other transaction has locked.
+
+        The shared shape: lock them SKIP LOCKED, then delete them by id, in one transaction.
+        """
+        ids = list(conn.execute(stmts.lock_held_skipping, params).scalars())
+        if not ids:
+            return 0
+        return int(conn.execute(stmts.delete_ids, {"ids": ids}).rowcount)
 
 
 ROW_COLUMNS = (

@@ -126,6 +126,32 @@ class PostgresDialect(Dialect):
         claimed.sort(key=lambda r: (r.due_at, r.id))
         return claimed
 
+    def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:
+        # One statement: pick the rows SKIP LOCKED in a MATERIALIZED CTE, update and return them.
+        return {int(r.id): int(r.scheduled_at) for r in conn.execute(stmts.memo(_extend_held_statement), params)}
+
+    def delete_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> int:
+        return int(conn.execute(stmts.memo(_delete_held_statement), params).rowcount)
+
+
+def _picked_held(stmts: Statements) -> sa.CTE:
+    return stmts.lock_held_skipping.cte("picked").prefix_with("MATERIALIZED")
+
+
+def _extend_held_statement(stmts: Statements) -> sa.Update:
+    m, picked = stmts.tables.messages, _picked_held(stmts)
+    return (
+        sa.update(m)
+        .where(m.c.id == picked.c.id)
+        .values(scheduled_at=stmts.extended_expiry)
+        .returning(m.c.id, m.c.scheduled_at)
+    )
+
+
+def _delete_held_statement(stmts: Statements) -> sa.Delete:
+    m, picked = stmts.tables.messages, _picked_held(stmts)
+    return sa.delete(m).where(m.c.id == picked.c.id)
+
 
 def _claim_statement(stmts: Statements) -> sa.Update:
     m = stmts.tables.messages

@@ -64,5 +64,9 @@ class SQLiteDialect(Dialect):
     def is_duplicate_key(self, exc: DBAPIError) -> bool:
         return _errorcode(exc) in (_CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY)
 
+    def greatest(self, a: sa.ColumnElement[int], b: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+        # SQLite's max() with two arguments is the scalar GREATEST.
+        return sa.func.max(a, b, type_=sa.BigInteger)
+
     def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
         return sqlite_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
