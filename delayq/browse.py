@@ -11,7 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from delayq.clock import from_ms, to_ms
-from delayq.dialects.base import LIKE_ESCAPE, starts_with
+from delayq.dialects import dialect_for
+from delayq.dialects.base import prefix_bounds
 from delayq.schema import Tables
 
 
@@ -106,8 +107,10 @@ def list_messages(
         elif state is State.IN_FLIGHT:
             stmt = stmt.where(t.c.lock_token.is_not(None))
     stmt = stmt.where(t.c.queue == queue).limit(limit)
+    params: dict[str, Any] = {}
     if key_prefix:
-        stmt = stmt.where(t.c.key.like(starts_with(key_prefix), escape=LIKE_ESCAPE))
+        stmt = stmt.where(dialect_for(conn.engine).starts_with(t.c.key))
+        params = prefix_bounds(key_prefix)
     if key is not None:
         stmt = stmt.where(t.c.key == key)
     return [
@@ -121,7 +124,7 @@ def list_messages(
             attempts=r.attempts,
             last_error=r.last_error,
         )
-        for r in conn.execute(stmt)
+        for r in conn.execute(stmt, params)
     ]
 
 

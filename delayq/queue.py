@@ -14,7 +14,13 @@ from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
-from delayq.dialects.base import cancel_prefix_statement, coalesce_statements, purge_dead_statement, starts_with
+from delayq.dialects.base import (
+    cancel_prefix_keeping_statement,
+    cancel_prefix_statement,
+    coalesce_statements,
+    prefix_bounds,
+    purge_dead_statement,
+)
 from delayq.errors import DelayqError, InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
@@ -446,31 +452,33 @@ class DelayedQueue:
         self, *, key: str | None = None, key_prefix: str | None = None, everything: bool = False, using: Using = None
     ) -> int:
         """Delete this queue's dead letters under ``key``, or whose key starts with ``key_prefix``,
-        or all of them with ``everything=True``; returns how many."""
+        or all of them with ``everything=True``; returns how many. Keys compare byte for byte."""
         if (key is None and key_prefix is None) != everything:
             raise InvalidInputError("purge_dead takes key=, key_prefix=, or everything=True")
-        stmt = purge_dead_statement(self.tables, None if key is None else check_key(key), key_prefix)
+        params: dict[str, Any] = {"queue_name": self.name}
+        if key is not None:
+            params["msg_key"] = check_key(key)
+        if key_prefix is not None:
+            params.update(prefix_bounds(check_prefix(key_prefix)))
 
         def op(conn: Connection, dialect: Dialect) -> int:
-            return int(conn.execute(stmt, {"queue_name": self.name}).rowcount)
+            stmt = purge_dead_statement(dialect, self.tables, key is not None, key_prefix is not None)
+            return int(conn.execute(stmt, params).rowcount)
 
         return self._runner.run(using, op, "scan")
 
     def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: Using = None) -> int:
         """Delete the messages whose key starts with ``prefix`` (but not with ``keep_prefix``); how many.
 
-        ``%`` and ``_`` in the prefixes match themselves, not any character.
+        Keys compare byte for byte: case matters, and ``%``, ``_`` and ``\\`` are ordinary characters.
         """
-        if not isinstance(prefix, str) or not prefix:
-            raise InvalidKeyError("prefix must be a non-empty string")
-        stmt = cancel_prefix_statement(self.tables, keep_prefix is not None)
-        params = {
-            "queue_name": self.name,
-            "prefix": starts_with(prefix),
-            "keep_prefix": None if keep_prefix is None else starts_with(keep_prefix),
-        }
+        params = {"queue_name": self.name, **prefix_bounds(check_prefix(prefix))}
+        if keep_prefix is not None:
+            params.update(prefix_bounds(check_prefix(keep_prefix), "keep"))
 
         def op(conn: Connection, dialect: Dialect) -> int:
+            stmts = self._statements(dialect)
+            stmt = stmts.memo(cancel_prefix_statement if keep_prefix is None else cancel_prefix_keeping_statement)
             return int(conn.execute(stmt, params).rowcount)
 
         return self._runner.run(using, op, "scan")
@@ -480,10 +488,10 @@ class DelayedQueue:
 
         Returns how many were deleted. Messages being handled or awaiting a retry are left alone.
         """
-        latest_stmt, older_stmt = coalesce_statements(self.tables)
-        params = {"queue_name": self.name, "prefix": starts_with(prefix), "now_ms": to_ms(now)}
+        params = {"queue_name": self.name, **prefix_bounds(check_prefix(prefix)), "now_ms": to_ms(now)}
 
         def op(conn: Connection, dialect: Dialect) -> int:
+            latest_stmt, older_stmt = self._statements(dialect).memo(coalesce_statements)
             latest = conn.execute(latest_stmt, params).scalar_one()
             if latest is None:
                 return 0
@@ -642,6 +650,11 @@ def _due(at: At) -> tuple[int | None, int | None]:
 def check_key(key: object) -> str:
     """Return a valid message key or raise ``InvalidKeyError``."""
     return _check_name(key, "key", MAX_KEY_LENGTH, InvalidKeyError)
+
+
+def check_prefix(prefix: object) -> str:
+    """Return a valid, non-empty key prefix or raise ``InvalidKeyError``."""
+    return _check_name(prefix, "key prefix", MAX_KEY_LENGTH, InvalidKeyError)
 
 
 def check_queue_name(name: object) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
 from conftest import START, count_rows
 
 from delayq import BytesSerializer, DelayedQueue, ManualClock, OfferOutcome
@@ -103,3 +104,21 @@ def test_manual_clock_moves_time(clock: ManualClock) -> None:
     assert clock.advance(HOUR) == START + HOUR
     clock.set(START)
     assert clock.now() == START
+
+
+@pytest.mark.parametrize("prefix", ["invoice/", "a%", "a_", "a\\", "ü/", "x/"])
+def test_prefix_operations_compare_keys_byte_for_byte(queue: DelayedQueue, prefix: str) -> None:
+    """Case matters, and %, _ and \\ are ordinary characters, on every backend (SQLite's LIKE ignores case)."""
+    under = [prefix + "1", prefix + "Zz", prefix]
+    others = ["Invoice/1", "INVOICE/3", "invoice", "a", "ab", "a1", "aX", "Ü/1", "u/1", "x.", "x0", "w/"]
+    others = [k for k in others if not k.startswith(prefix)]
+    queue.offer_many([(k, 1, None) for k in under + others])
+    assert queue.cancel_prefix(prefix) == len(under)
+    assert all(queue.get(k) is None for k in under)
+    assert all(queue.get(k) is not None for k in others)
+
+
+def test_cancel_prefix_keeps_the_kept_prefix(queue: DelayedQueue) -> None:
+    queue.offer_many([(k, 1, None) for k in ["r/a/1", "r/a/2", "r/b/1", "r/B/1", "s/a/1"]])
+    assert queue.cancel_prefix("r/", keep_prefix="r/a/") == 2
+    assert [k for k in ["r/a/1", "r/a/2", "r/b/1", "r/B/1", "s/a/1"] if queue.get(k)] == ["r/a/1", "r/a/2", "s/a/1"]

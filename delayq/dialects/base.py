@@ -8,7 +8,6 @@ transaction, and how to read its driver's error codes.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,6 +79,7 @@ class Statements:
     def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
         m, dead = tables.messages, tables.dead_letters
         self._memo: dict[Callable[[Statements], Any], Any] = {}
+        self.dialect = dialect
         self.tables = tables
         self.notifies = notify
         self.now = now
@@ -257,6 +257,10 @@ class Statements:
             .limit(_bp("limit", sa.Integer))
         )
 
+    def starts_with(self, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
+        """See ``Dialect.starts_with``."""
+        return self.dialect.starts_with(column, name)
+
     def memo(self, build: Callable[[Statements], S]) -> S:
         """``build(self)``, made once: a statement of one backend's own over these tables."""
         found = self._memo.get(build)
@@ -313,6 +317,21 @@ class Dialect:
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
         """``column IN`` the list of ids bound as ``:ids``."""
         return column.in_(sa.bindparam("ids", expanding=True))
+
+    def starts_with(self, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
+        """``column`` starts with the prefix bound as ``{name}_lo`` / ``{name}_hi`` (see ``prefix_bounds``).
+
+        A range, compared byte for byte and served by the (queue, key) index; never LIKE, which
+        ignores case on SQLite and needs escaping everywhere.
+        """
+        key = self.bytewise(column)
+        return sa.and_(
+            key >= sa.bindparam(f"{name}_lo", type_=sa.String), key < sa.bindparam(f"{name}_hi", type_=sa.String)
+        )
+
+    def bytewise(self, column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+        """``column`` compared by code point (the key columns are, on SQLite and MySQL/MariaDB)."""
+        return column
 
     def greatest(self, a: sa.ColumnElement[int], b: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
         """The larger of two values (GREATEST)."""
@@ -469,50 +488,53 @@ def row_values(rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
     return tuple(row[c] for row in rows for c in ROW_COLUMNS)
 
 
-LIKE_ESCAPE = "/"
+def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:
+    """The bind values of ``Dialect.starts_with(column, name)``: ``{name}_lo`` and ``{name}_hi``.
+
+    Every key that starts with ``prefix`` is ``>= prefix`` and ``<`` the prefix with its last
+    character replaced by the next code point; no other key is. (Trailing characters that have no
+    next code point are dropped first.)
+    """
+    stem = prefix
+    while stem and ord(stem[-1]) >= 0x10FFFF:
+        stem = stem[:-1]
+    if not stem:
+        return {f"{name}_lo": prefix, f"{name}_hi": "\U0010ffff" * (len(prefix) + 1)}
+    following = ord(stem[-1]) + 1
+    if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: the next one is U+E000
+        following = 0xE000
+    return {f"{name}_lo": prefix, f"{name}_hi": stem[:-1] + chr(following)}
 
 
-def starts_with(prefix: str) -> str:
-    """A LIKE pattern (escaped with ``LIKE_ESCAPE``) matching the keys that start with ``prefix``."""
-    for special in (LIKE_ESCAPE, "%", "_"):
-        prefix = prefix.replace(special, LIKE_ESCAPE + special)
-    return prefix + "%"
-
-
-def purge_dead_statement(tables: Tables, key: str | None, key_prefix: str | None) -> sa.Delete:
-    """DELETE a queue's dead letters: all of them, one key's, or those whose key starts with a prefix."""
+def purge_dead_statement(dialect: Dialect, tables: Tables, key: bool, key_prefix: bool) -> sa.Delete:
+    """DELETE a queue's dead letters: all of them, ``msg_key``'s, or those whose key starts with ``prefix``."""
     dead = tables.dead_letters
     stmt = sa.delete(dead).where(dead.c.queue == sa.bindparam("queue_name", type_=sa.String))
-    if key is not None:
-        stmt = stmt.where(dead.c.key == key)
-    if key_prefix is not None:
-        stmt = stmt.where(dead.c.key.like(starts_with(key_prefix), escape=LIKE_ESCAPE))
+    if key:
+        stmt = stmt.where(dead.c.key == sa.bindparam("msg_key", type_=sa.String))
+    if key_prefix:
+        stmt = stmt.where(dialect.starts_with(dead.c.key))
     return stmt
 
 
-@functools.cache
-def cancel_prefix_statement(tables: Tables, keep: bool) -> sa.Delete:
-    """DELETE a queue's messages whose key matches the pattern ``:prefix`` (not ``:keep_prefix``, with ``keep``).
-
-    Make the patterns with ``starts_with``.
-    """
-    m = tables.messages
-    stmt = sa.delete(m).where(
-        m.c.queue == sa.bindparam("queue_name", type_=sa.String),
-        m.c.key.like(sa.bindparam("prefix", type_=sa.String), escape=LIKE_ESCAPE),
-    )
-    if keep:
-        stmt = stmt.where(~m.c.key.like(sa.bindparam("keep_prefix", type_=sa.String), escape=LIKE_ESCAPE))
-    return stmt
+def cancel_prefix_statement(stmts: Statements) -> sa.Delete:
+    """DELETE a queue's messages whose key starts with ``prefix``."""
+    m = stmts.tables.messages
+    return sa.delete(m).where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), stmts.starts_with(m.c.key))
 
 
-@functools.cache
-def coalesce_statements(tables: Tables) -> tuple[sa.Select[Any], sa.Delete]:
-    """The newest overdue never-attempted message under ``:prefix``, and the DELETE of those older."""
-    m = tables.messages
+def cancel_prefix_keeping_statement(stmts: Statements) -> sa.Delete:
+    """DELETE a queue's messages whose key starts with ``prefix`` but not with ``keep``."""
+    m = stmts.tables.messages
+    return cancel_prefix_statement(stmts).where(~stmts.starts_with(m.c.key, "keep"))
+
+
+def coalesce_statements(stmts: Statements) -> tuple[sa.Select[Any], sa.Delete]:
+    """The newest overdue never-attempted message under ``prefix``, and the DELETE of those older."""
+    m = stmts.tables.messages
     untouched = sa.and_(
         m.c.queue == sa.bindparam("queue_name", type_=sa.String),
-        m.c.key.like(sa.bindparam("prefix", type_=sa.String), escape=LIKE_ESCAPE),
+        stmts.starts_with(m.c.key),
         m.c.lock_token.is_(None),
         m.c.attempts == 0,
     )

@@ -79,6 +79,10 @@ class PostgresDialect(Dialect):
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.autocommit)
 
+    def bytewise(self, column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+        # The database's collation may order by language rules (en_US ignores punctuation at first).
+        return column.collate("C")
+
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
         # One array parameter: the statement text stays the same whatever the number of ids,
         # so psycopg prepares it once.
