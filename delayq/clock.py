@@ -14,6 +14,10 @@ from typing import Protocol, runtime_checkable
 from delayq.errors import InvalidTimeError
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+LATEST = dt.datetime(9000, 1, 1, tzinfo=dt.UTC)
+"""Times delayq stores lie in [EPOCH, LATEST): every one of them converts back to a datetime."""
+MAX_DURATION = dt.timedelta(days=100 * 365)
+"""The longest duration delayq accepts (a relative due time, a timeout, a delay), either way: 100 years."""
 
 
 @runtime_checkable
@@ -64,19 +68,35 @@ def require_aware(value: object, name: str = "time") -> dt.datetime:
     return value
 
 
-def to_ms(value: dt.datetime) -> int:
-    """Epoch milliseconds of an aware datetime."""
-    delta = require_aware(value) - EPOCH
+def to_ms(value: dt.datetime, name: str = "time") -> int:
+    """Epoch milliseconds of an aware datetime in [1970, 9000); ``InvalidTimeError`` otherwise."""
+    aware = require_aware(value, name)
+    if not EPOCH <= aware < LATEST:
+        raise InvalidTimeError(f"{name} {aware.isoformat()} is out of range: delayq stores times from 1970 to 9000")
+    delta = aware - EPOCH
     return delta.days * 86_400_000 + delta.seconds * 1000 + delta.microseconds // 1000
 
 
+_EARLIEST = dt.datetime.min.replace(tzinfo=dt.UTC)
+_LAST = dt.datetime.max.replace(tzinfo=dt.UTC)
+
+
 def from_ms(ms: int) -> dt.datetime:
-    """An aware UTC datetime from epoch milliseconds."""
-    return EPOCH + dt.timedelta(milliseconds=ms)
+    """An aware UTC datetime from epoch milliseconds.
+
+    A time no datetime can hold (written by hand, or by a delayq that accepted any time) reads as
+    the earliest or latest datetime instead of failing whatever reads it.
+    """
+    try:
+        return EPOCH + dt.timedelta(milliseconds=ms)
+    except OverflowError:
+        return _EARLIEST if ms < 0 else _LAST
 
 
 def duration_ms(value: dt.timedelta, name: str = "duration") -> int:
-    """Whole milliseconds of a timedelta; raises ``InvalidTimeError`` for other types."""
+    """Whole milliseconds of a timedelta of at most 100 years either way; ``InvalidTimeError`` otherwise."""
     if not isinstance(value, dt.timedelta):
         raise InvalidTimeError(f"{name} must be a timedelta, got {type(value).__name__}")
+    if abs(value) > MAX_DURATION:
+        raise InvalidTimeError(f"{name} {value} is out of range: at most 100 years either way")
     return value.days * 86_400_000 + value.seconds * 1000 + value.microseconds // 1000

@@ -586,15 +586,10 @@ class DelayedQueue:
                 dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
                 continue
             try:
-                payload = self._decode(row.key, row.payload_type, row.payload)
-            except SerializationMismatchError as exc:
-                dead.append((row.id, row.lock_token, str(exc)))
-                continue
-            deliveries.append(
-                Delivery(
+                delivery = Delivery(
                     id=row.id,
                     key=row.key,
-                    payload=payload,
+                    payload=self._decode(row.key, row.payload_type, row.payload),
                     attempts=row.attempts,
                     scheduled_at=at(row.due_at),
                     scheduled_at_initially=at(row.scheduled_at_initially),
@@ -603,7 +598,10 @@ class DelayedQueue:
                     lock_token=row.lock_token,
                     _queue=self,
                 )
-            )
+            except SerializationMismatchError as exc:
+                dead.append((row.id, row.lock_token, str(exc)))
+                continue
+            deliveries.append(delivery)
         if dead:
             log.warning("%s: %d claimed message(s) moved to the dead letters: %s", self.name, len(dead), dead[0][2])
             self._dead_letter_held(dead, using)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import random
 from dataclasses import dataclass
 
@@ -44,8 +45,12 @@ class RetryPolicy:
 
     def delay(self, attempts: int) -> dt.timedelta:
         """How long to wait after failed attempt number ``attempts``."""
-        base = self.initial_delay * (self.multiplier ** max(0, attempts - 1))
-        base = min(base, self.max_delay)
+        cap = self.max_delay.total_seconds()
+        try:  # grows past any cap after enough attempts: compare before it overflows a timedelta
+            grown = self.initial_delay.total_seconds() * self.multiplier ** max(0, attempts - 1)
+        except OverflowError:
+            grown = math.inf
+        base = dt.timedelta(seconds=min(grown, cap))
         if self.jitter:
             base *= 1 + random.uniform(-self.jitter, self.jitter)
         return base

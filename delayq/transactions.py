@@ -37,12 +37,15 @@ Operation = Callable[[Connection, Dialect], T]
 class TransientRetry:
     """How delayq retries its own transactions after transient errors.
 
-    Defaults: 8 attempts, full-jitter backoff from 20 ms doubling to at most 2 s.
+    It retries until ``attempts`` attempts were made or ``budget`` seconds have passed since the
+    first one, whichever comes first, with full-jitter backoff from ``first_delay`` doubling to at
+    most ``max_delay`` seconds. Defaults: 60 attempts, 30 s (a typical server restart), 20 ms to 2 s.
     """
 
-    attempts: int = 8
+    attempts: int = 60
     first_delay: float = 0.02
     max_delay: float = 2.0
+    budget: float = 30.0
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.first_delay * 2**attempt))
@@ -80,17 +83,18 @@ class Runner:
 
     def _retrying(self, engine: Engine, mode: Mode, operation: Operation[T]) -> T:
         """Run ``operation`` in a fresh owned transaction, again on transient errors."""
-        attempt = 0
+        attempt, deadline = 0, time.monotonic() + self.retry.budget
         while True:
             try:
                 with self.owned(mode, engine) as conn:
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
-                if not self.dialect.is_transient(exc) or attempt >= self.retry.attempts:
+                pause = self.retry.delay(attempt)
+                spent = attempt >= self.retry.attempts or time.monotonic() + pause > deadline
+                if not self.dialect.is_transient(exc) or spent:
                     self._raise_if_schema_missing(exc)
                     raise
-                pause = self.retry.delay(attempt)
                 log.warning(
                     "transient database error, retrying in %.3fs (attempt %d of %d): %s",
                     pause,

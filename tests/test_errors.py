@@ -19,6 +19,7 @@ from delayq import (
     InvalidQueueError,
     InvalidTimeError,
     PayloadError,
+    RetryPolicy,
     SchemaMissingError,
     SerializationMismatchError,
     TransientRetry,
@@ -26,6 +27,7 @@ from delayq import (
 )
 from delayq.dialects import dialect_class
 from delayq.dialects.mysql import check_version
+from delayq.schema import metadata
 
 NAIVE = dt.datetime(2030, 1, 1)
 
@@ -128,3 +130,42 @@ def test_a_server_that_cannot_be_reached_raises_sqlalchemys_error(url: str) -> N
         queue.offer("k", 1)
     with pytest.raises(sa.exc.OperationalError):
         queue.try_poll()
+
+
+def test_times_and_durations_outside_the_stored_range_are_refused_and_change_nothing(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, queue_name: str
+) -> None:
+    q = make_queue()
+    for at in (dt.timedelta(days=-800_000), dt.timedelta(days=40_000), dt.datetime(9500, 1, 1, tzinfo=dt.UTC)):
+        with pytest.raises(InvalidTimeError, match="out of range"):
+            q.offer("k", 1, at=at)
+    with pytest.raises(InvalidTimeError, match="out of range"):
+        q.offer_many([("ok", 1, None), ("bad", 1, dt.datetime(1960, 1, 1, tzinfo=dt.UTC))])
+    with pytest.raises(InvalidTimeError, match="out of range"):
+        make_queue(visibility_timeout=dt.timedelta(days=3_000_000))
+    assert count_rows(engine, queue_name) == 0
+
+
+def test_retry_delays_stay_capped_however_many_attempts() -> None:
+    policy = RetryPolicy()
+    assert all(policy.delay(n) <= policy.max_delay * 1.1 for n in (44, 100, 5000))
+
+
+def test_a_stored_time_no_datetime_can_hold_is_read_not_a_crash(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, queue_name: str
+) -> None:
+    """As written by an older delayq that accepted any time: it reads as the earliest datetime."""
+    q = make_queue()
+    q.offer_many([("good", 1, None), ("odd", 2, None)])
+    m = metadata.tables["delayq_messages"]
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(m)
+            .where(m.c.queue == queue_name, m.c.key == "odd")
+            .values(scheduled_at_initially=-70_000_000 * 86_400_000)
+        )
+    got = {d.key: d for d in q.try_poll_many(10)}
+    assert set(got) == {"good", "odd"}
+    assert got["odd"].scheduled_at_initially.year == 1
+    assert got["odd"].dead_letter("inspect it")
+    assert q.dead_letters()[0].scheduled_at_initially.year == 1
