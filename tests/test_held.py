@@ -83,3 +83,30 @@ def test_ack_many_skipping_locks_acks_what_it_holds(queue: DelayedQueue, clock: 
     assert again is not None and again.key == held[3].key
     assert queue.ack_many([held[3]], skip_locked=True) == 0  # its lock was lost
     assert queue.ack_many([again], skip_locked=True) == 1
+
+
+def test_an_open_claim_on_mariadb_locks_no_row_it_did_not_claim(backend_urls: dict[str, str]) -> None:
+    """A claim frozen before its commit holds only the rows it claims: the next message to become due
+    (of its own queue or of the queue after it in the index) can be claimed by others meanwhile."""
+    from conftest import _backend
+
+    b = _backend("mysql", backend_urls)
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    first = DelayedQueue(b.engine, "gap-a", clock=clock, visibility_timeout=MINUTE)
+    second = DelayedQueue(b.engine, "gap-b", clock=clock, visibility_timeout=MINUTE)
+    for q in (first, second):
+        q.cancel_prefix("m")
+    first.offer("m-due", 1)
+    first.offer("m-next", 2, at=dt.timedelta(seconds=1))
+    second.offer("m-other", 3)
+    frozen = b.engine.connect().execution_options(isolation_level="READ COMMITTED")
+    try:
+        frozen.begin()
+        assert [d.key for d in first.try_poll_many(10, using=frozen)] == ["m-due"]
+        # the frozen claimer neither commits nor rolls back
+        assert [d.key for d in second.try_poll_many(10)] == ["m-other"]
+        clock.advance(dt.timedelta(seconds=2))
+        assert [d.key for d in first.try_poll_many(10)] == ["m-next"]
+    finally:
+        frozen.rollback()
+        frozen.close()

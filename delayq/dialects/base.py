@@ -410,7 +410,12 @@ class Dialect:
         The shared shape: SELECT the due rows FOR UPDATE SKIP LOCKED (with "now"), then one
         UPDATE by id, in the same transaction.
         """
-        rows = conn.execute(stmts.claim_candidates, params).all()
+        return self.mark_claimed(conn, stmts, params, conn.execute(stmts.claim_candidates, params).all(), visibility_ms)
+
+    def mark_claimed(
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], rows: Sequence[Any], visibility_ms: int
+    ) -> list[ClaimedRow]:
+        """Lock the candidate rows (selected FOR UPDATE in this transaction) for this consumer: one UPDATE by id."""
         if not rows:
             return []
         locked_until = rows[0].now + visibility_ms

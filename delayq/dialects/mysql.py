@@ -15,7 +15,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from delayq.dialects.base import Dialect, Mode, OwnedStart, Statements, row_values, values_insert
+from delayq.dialects.base import (
+    ClaimedRow,
+    Dialect,
+    Mode,
+    OwnedStart,
+    Statements,
+    claim_limit,
+    row_values,
+    values_insert,
+)
 from delayq.errors import UnsupportedDatabaseError
 
 # lock wait timeout, deadlock, server gone away, lost connection, can't connect,
@@ -122,6 +131,20 @@ class MySQLDialect(Dialect):
             created.update(r["key"] for r in fresh if self._insert_rows(conn, stmts, [r]))
         return created
 
+    def claim(
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+    ) -> list[ClaimedRow]:
+        # InnoDB locks every index record a locking range scan reads, and when fewer than n rows
+        # are due the scan reads one past the due range: the next message to become due, maybe of
+        # another queue, which other claims then skip for as long as this transaction is open. So
+        # the range is read without locks, and only the picked rows are locked, by primary key
+        # (point locks, no gap or next-record lock), skipping those another claim took meanwhile.
+        ids = list(conn.execute(stmts.memo(_due_ids), params).scalars())
+        if not ids:
+            return []
+        rows = conn.execute(stmts.memo(_lock_due_by_id), {**params, "ids": ids}).all()
+        return self.mark_claimed(conn, stmts, params, sorted(rows, key=lambda r: (r.scheduled_at, r.id)), visibility_ms)
+
     def _insert_rows(self, conn: Connection, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
         """Insert the rows in one statement; False, inserting none, when a key exists."""
         try:
@@ -131,6 +154,37 @@ class MySQLDialect(Dialect):
                 return False
             raise
         return True
+
+
+def _due_ids(stmts: Statements) -> sa.Select[tuple[int]]:
+    """The ids of the first due messages of ``:queue_name``, read without locks."""
+    m = stmts.tables.messages
+    return (
+        sa.select(m.c.id)
+        .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        .order_by(m.c.scheduled_at, m.c.id)
+        .limit(claim_limit())
+    )
+
+
+def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:
+    """The messages ``:ids`` that are still due, locked by primary key, skipping those locked elsewhere."""
+    m = stmts.tables.messages
+    return (
+        sa.select(
+            m.c.id,
+            m.c.key,
+            m.c.payload,
+            m.c.payload_type,
+            m.c.scheduled_at,
+            m.c.attempts,
+            m.c.created_at,
+            m.c.scheduled_at_initially,
+            stmts.now.label("now"),
+        )
+        .where(m.c.id.in_(sa.bindparam("ids", expanding=True)), m.c.scheduled_at <= stmts.now)
+        .with_for_update(skip_locked=True)
+    )
 
 
 MAX_STATEMENT_BYTES = 4 * 1024 * 1024
