@@ -667,6 +667,12 @@ def _check_name(value: object, what: str, limit: int, error: type[InvalidInputEr
         raise error(f"{what} must not be empty")
     if len(value) > limit:
         raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
+    if "\x00" in value:
+        raise error(f"{what} must not contain NUL characters (PostgreSQL cannot store them)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{what} is not valid text: it contains a lone surrogate") from None
     return value
 
 

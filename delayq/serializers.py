@@ -12,6 +12,10 @@ from typing import Any, Protocol, runtime_checkable
 from delayq.errors import PayloadError
 
 MAX_TAG_LENGTH = 100
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+"""The largest encoded payload delayq stores: 8 MiB, under MariaDB's default ``max_allowed_packet``
+(16 MiB) on every backend, so a message that fits one database fits them all. Store large blobs elsewhere
+and put their address in the payload."""
 
 
 @runtime_checkable
@@ -74,8 +78,12 @@ class TextSerializer:
 def encode(serializer: Serializer, payload: Any) -> bytes:
     """Serialize, turning the serializer's own failure into ``PayloadError``."""
     try:
-        return serializer.dumps(payload)
-    except (TypeError, ValueError, OverflowError) as exc:
+        data = serializer.dumps(payload)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise PayloadError(
-            f"payload cannot be serialized by {type(serializer).__name__} ({serializer.type_tag}): {exc}"
-        ) from exc
+            f"payload cannot be serialized by {type(serializer).__name__} ({serializer.type_tag}): {reason}"
+        ) from None if isinstance(exc, RecursionError) else exc
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise PayloadError(f"payload is {len(data):,} bytes encoded; delayq stores at most {MAX_PAYLOAD_BYTES:,}")
+    return data

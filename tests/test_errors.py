@@ -169,3 +169,26 @@ def test_a_stored_time_no_datetime_can_hold_is_read_not_a_crash(
     assert got["odd"].scheduled_at_initially.year == 1
     assert got["odd"].dead_letter("inspect it")
     assert q.dead_letters()[0].scheduled_at_initially.year == 1
+
+
+@pytest.mark.parametrize("key", ["nul\x00inside", "surrogate\udc80"])
+def test_keys_a_database_cannot_store_are_refused_on_every_backend(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, queue_name: str, key: str
+) -> None:
+    with pytest.raises(InvalidKeyError):
+        make_queue().offer(key, 1)
+    assert count_rows(engine, queue_name) == 0
+
+
+def test_payloads_too_deep_or_too_large_get_a_payload_error(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, queue_name: str
+) -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    q = make_queue()
+    with pytest.raises(PayloadError, match="nested too deeply"):
+        q.offer("deep", deep)
+    with pytest.raises(PayloadError, match="at most"):
+        q.offer("large", "x" * (9 * 1024 * 1024))
+    assert count_rows(engine, queue_name) == 0
