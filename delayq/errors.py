@@ -4,10 +4,10 @@ Everything delayq raises on purpose derives from ``DelayqError``::
 
     DelayqError
     ├── InvalidInputError        bad arguments; nothing was written
-    │   ├── InvalidKeyError      empty key, key over 200 characters, not a string
+    │   ├── InvalidKeyError      empty key, key over 200 characters, NUL, not a string or not text
     │   ├── InvalidQueueError    empty queue name, name over 100 characters
     │   ├── InvalidTimeError     naive datetime, wrong type for a time
-    │   └── PayloadError         the serializer cannot encode the payload
+    │   └── PayloadError         the serializer cannot encode the payload, or it is over 8 MiB
     ├── SerializationMismatchError   a stored row was written by another serializer
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
     └── UnsupportedDatabaseError a backend or server version delayq cannot run on
