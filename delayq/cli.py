@@ -185,17 +185,33 @@ def worker(ctx: click.Context, handlers: str, concurrency: int, shutdown_timeout
     if "" not in sys.path:
         sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
     loaded = load_handlers(handlers)
-    engine = sa.create_engine(ctx.obj["url"])
-    with engine.connect():
-        pass  # fail now, with one line, if the database cannot be reached
-    Worker(
-        engine,
-        loaded,
-        concurrency=concurrency,
-        table_prefix=ctx.obj["prefix"],
-        shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
-    ).run()
+    engine = worker_engine(ctx.obj["url"], concurrency)
+    try:
+        with engine.connect():
+            pass  # fail now, with one line, if the database cannot be reached
+        Worker(
+            engine,
+            loaded,
+            concurrency=concurrency,
+            table_prefix=ctx.obj["prefix"],
+            shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
+        ).run()  # raises SchemaMissingError (exit 2, "run `delayq migrate`") when the tables are missing
+    finally:
+        engine.dispose()
+
+
+def worker_engine(url: str, concurrency: int) -> sa.Engine:
+    """An engine whose pool fits a worker of ``concurrency`` handlers.
+
+    Each handler may hold a connection for its whole run (a transactional one does), and the fetch
+    loop, the heartbeat and the listener need one each besides: a smaller pool would make them
+    wait on each other. Engines without a queue pool (SQLite in memory) are left as they are.
+    """
+    engine = sa.create_engine(url)
+    if not isinstance(engine.pool, sa.pool.QueuePool):
+        return engine
     engine.dispose()
+    return sa.create_engine(url, pool_size=concurrency + 3, max_overflow=concurrency)
 
 
 # -- looking -------------------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ from delayq.serializers import JsonSerializer, Serializer
 
 
 class Retry(Exception):
-    """Raise in ``handle`` to try the message again after ``after`` (default: the handler's policy)."""
+    """Raise in ``handle`` to try the message again after ``after`` (default: the handler's policy's delay).
+
+    A requested retry is not logged as a failure (INFO, with ``reason``), but it counts as an
+    attempt: the delivery it ends was one of ``retry.max_attempts``, and when it was the last one
+    the message moves to the dead letters with ``reason``. A handler that waits on something for
+    long should raise it with a long ``after`` rather than often, or raise ``max_attempts``.
+    """
 
     def __init__(self, after: dt.timedelta | None = None, reason: str | None = None) -> None:
         super().__init__(reason or "retry requested")
@@ -43,8 +49,10 @@ class Handler:
       that also deletes the message, so its database writes happen exactly once. False.
 
     ``handle`` returning normally acks the message. Raising ``Retry(after=...)`` schedules
-    another attempt; ``DeadLetter(reason)`` gives up at once; any other exception is a failed
-    attempt, retried per ``retry`` and dead-lettered when attempts run out.
+    another attempt (it counts toward ``retry.max_attempts``); ``DeadLetter(reason)`` gives up at
+    once; any other exception is a failed attempt, retried per ``retry`` and dead-lettered when
+    attempts run out. ``retry.max_attempts`` also caps deliveries that end without any outcome
+    (the worker died mid-handler): the claim that would exceed it dead-letters the message.
     """
 
     queue: ClassVar[str]

@@ -56,9 +56,7 @@ class DaemonPool:
 
     def __init__(self, size: int, name: str) -> None:
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)
-        ]
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)]
         for t in self._threads:
             t.start()
 

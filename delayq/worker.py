@@ -1,58 +1,106 @@
-"""Worker: runs Handlers on a bounded pool, with lock heartbeats, retries, wake-ups and graceful shutdown."""
+"""Worker: runs Handlers on a bounded pool, with lock heartbeats, retries, wake-ups and graceful shutdown.
+
+Threads: the fetch loop (``run()``'s thread, or the one ``start()`` makes) claims messages for free
+slots, acks what was handled and sleeps when idle; a heartbeat thread extends the locks still held;
+on PostgreSQL a listener wakes the fetch loop; handlers run on a pool of daemon threads. Every loop
+survives any exception: it logs, backs off and goes on.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from types import FrameType
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType, MappingProxyType
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError
 
 from delayq.clock import Clock
 from delayq.dialects import dialect_for
-from delayq.errors import DelayqError, InvalidInputError
+from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
+from delayq.threads import DaemonPool, Task
 
 log = logging.getLogger("delayq.worker")
 
 MIN_IDLE_SLEEP = 0.01
 MAX_ERROR_BACKOFF = 5.0
+HEARTBEAT_TICK = 0.05
+
+
+def backoff(errors: int) -> float:
+    """Seconds to wait after ``errors`` failures in a row: 0.2 s doubling to 5 s."""
+    return float(min(MAX_ERROR_BACKOFF, 0.1 * 2 ** min(errors, 10)))
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """A snapshot of a worker's state, for an embedding application's health check."""
+
+    running: bool
+    """Started and not yet stopped."""
+    loops: Mapping[str, bool]
+    """Whether each background loop ("fetch", "heartbeat", and "listen" on PostgreSQL) is alive."""
+    seconds_since_fetch: float | None
+    """Monotonic seconds since a claim last reached the database (whatever it found); None before the first."""
+    held: int
+    """Deliveries held: handlers running, and handled messages awaiting their ack."""
+
+    @property
+    def healthy(self) -> bool:
+        """Running, with every loop alive."""
+        return self.running and all(self.loops.values())
 
 
 @dataclass(eq=False)
-class _Running:
+class _Held:
+    """A delivery this worker holds, from the claim until its outcome is recorded."""
+
     handler: Handler
     queue: DelayedQueue
     delivery: Delivery
-    extend_at: dt.datetime
-    future: Future[None] | None = field(default=None, repr=False)
+    extend_at: float
+    """Monotonic time of its next heartbeat."""
+    valid_until: float
+    """Monotonic time until which the lock is surely held (from before the claim or last extension)."""
+    task: Task | None = None
+    done: bool = False
+    """The handler returned: awaiting the ack."""
+    acking: bool = False
+    """An ack of it is under way (the heartbeat leaves it alone meanwhile)."""
+    lost: bool = False
+    """The heartbeat found the lock gone."""
 
 
 class Worker:
     """Consumes the queues of its handlers until stopped.
 
     Args:
-        engine: the database holding delayq's tables.
+        engine: the database holding delayq's tables. Its pool should allow a connection per
+            handler (a transactional handler holds one for its whole run) plus three for the
+            fetch loop, the heartbeat and the listener; ``delayq worker`` sizes it so.
         handlers: ``Handler`` subclasses or instances, one per queue.
         concurrency: how many handlers run at once; the worker fetches only as many messages as
-            it has free slots. Defaults to 4.
+            it has free slots, shared fairly between queues with due work. Defaults to 4.
         poll_interval: the longest an idle worker sleeps between polls when nothing wakes it
             (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second.
-        shutdown_timeout: how long in-flight handlers may run on after a stop. 30 seconds.
+        shutdown_timeout: how long in-flight handlers may run on after a stop; what still runs
+            then is released (due again at once) and the worker returns. 30 seconds.
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
+
+    Each handler's queue caps deliveries at ``handler.retry.max_attempts``: a message whose
+    handler never reaches an outcome (its process dies every time) goes to the dead letters.
     """
 
     def __init__(
@@ -93,12 +141,12 @@ class Worker:
                 clock=clock,
                 table_prefix=table_prefix,
                 schema=schema,
+                max_deliveries=h.retry.max_attempts,
             )
             self._queues[name] = (h, q)
         self._channel = next(iter(self._queues.values()))[1].tables.messages.name
         self._listen = listen
-        self._running: dict[int, _Running] = {}
-        self._to_ack: list[_Running] = []  # handled, acked together by the fetch loop
+        self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
         self._slot_freed = threading.Event()
         self._wake = threading.Event()
@@ -106,17 +154,29 @@ class Worker:
         self._stopped = threading.Event()
         self._stopped.set()  # not running
         self._thread: threading.Thread | None = None
+        self._loops: dict[str, threading.Thread] = {}
+        self._pool: DaemonPool | None = None
+        self._turn = 0  # the queue that claims first on the next fetch (round robin)
+        self._errors: dict[str, int] = {}  # failed claims in a row, per queue
+        self._retry_at: dict[str, float] = {}  # per queue: no claim before this monotonic time
+        self._last_fetch: float | None = None
+        self._error: BaseException | None = None
         self.handled = 0
         """Deliveries finished (acked, retried or dead-lettered) so far."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
-        """Consume until ``stop()`` or SIGINT/SIGTERM; a second signal exits at once."""
+        """Consume until ``stop()`` or SIGINT/SIGTERM; a second signal exits at once.
+
+        Raises ``SchemaMissingError`` when delayq's tables are missing at the first fetch.
+        """
         restore = self._install_signal_handlers()
         try:
             self._serve()
         finally:
             restore()
+        if self._error is not None:
+            raise self._error
 
     def start(self) -> None:
         """Run in a background thread (no signal handling): embed the worker in an application."""
@@ -130,75 +190,142 @@ class Worker:
         self._wake.set()
         return self._stopped.wait(timeout if timeout is not None else self.shutdown_timeout + 5)
 
-    def run_once(self) -> int:
-        """Handle every message due now, then return how many were handled. For tests and scripts."""
-        done = 0
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="delayq-handler") as pool:
-            while True:
-                started = self._fetch(pool)
-                if not started:
-                    break
-                for running in started:
-                    assert running.future is not None
-                    running.future.result()
-                done += len(started)
-        self._flush_acks()
-        return done
+    def health(self) -> WorkerHealth:
+        """Whether the worker runs, its loops are alive, how recently it fetched, how much it holds."""
+        running = not self._stopped.is_set()
+        with self._lock:
+            held = len(self._held)
+        last = self._last_fetch
+        return WorkerHealth(
+            running=running,
+            loops=MappingProxyType({name: running and t.is_alive() for name, t in self._loops.items()}),
+            seconds_since_fetch=None if last is None else time.monotonic() - last,
+            held=held,
+        )
 
-    # -- the loop -------------------------------------------------------------------------------
+    def run_once(self) -> int:
+        """Handle every message due now, then return how many were handled. For tests and scripts.
+
+        Unlike ``run()``, a failed claim raises.
+        """
+        self._pool = DaemonPool(self.concurrency, "delayq-handler")
+        done = 0
+        try:
+            while True:
+                started = self._fetch(self.concurrency, guard=False)
+                for h in started:
+                    assert h.task is not None
+                    h.task.wait()
+                self._flush_acks()
+                if not started:
+                    return done
+                done += len(started)
+        finally:
+            self._pool.shutdown()
+            self._pool = None
+
+    # -- the fetch loop -------------------------------------------------------------------------
     def _serve(self) -> None:
         self._stopped.clear()
-        helpers = [threading.Thread(target=self._heartbeat, name="delayq-heartbeat", daemon=True)]
+        self._stopping.clear()
+        self._error = None
+        self._pool = DaemonPool(self.concurrency, "delayq-handler")
+        self._loops = {
+            "fetch": threading.current_thread(),
+            "heartbeat": threading.Thread(target=self._heartbeat_loop, name="delayq-heartbeat", daemon=True),
+        }
         if self._listen and dialect_for(self.engine).can_notify:
-            helpers.append(threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True))
-        for t in helpers:
-            t.start()
+            self._loops["listen"] = threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True)
+        for name, t in self._loops.items():
+            if name != "fetch":
+                t.start()
         log.info("worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="delayq-handler")
         try:
-            self._fetch_loop(pool)
+            self._fetch_loop()
+        except SchemaMissingError as exc:  # nothing can work: say so and stop
+            log.error("%s", exc)
+            self._error = exc
         finally:
-            self._shutdown(pool)
-            self._stopped.set()
+            try:
+                self._shutdown()
+            finally:
+                self._stopped.set()
 
-    def _fetch_loop(self, pool: ThreadPoolExecutor) -> None:
+    def _fetch_loop(self) -> None:
         idle_sleep, errors = MIN_IDLE_SLEEP, 0
         while not self._stopping.is_set():
-            if self._free_slots() == 0:
+            self._wake.clear()  # a wake-up from now on ends the next sleep
+            try:
+                self._flush_acks()
+                free = self._free_slots()
+                started = self._fetch(free) if free else []
+                errors = 0
+            except SchemaMissingError:
+                raise
+            except Exception as exc:  # anything at all: log, back off, go on
+                errors += 1
+                log.warning("fetch loop: %s; going on in %.1fs", _describe(exc), backoff(errors), exc_info=True)
+                self._stopping.wait(backoff(errors))
+                continue
+            if not free:
                 self._slot_freed.wait(self.poll_interval)
                 self._slot_freed.clear()
-                continue
-            try:
-                started = self._fetch(pool)
-                errors = 0
-            except (DBAPIError, DelayqError) as exc:
-                errors += 1
-                pause = min(MAX_ERROR_BACKOFF, 0.1 * 2**errors)
-                log.warning("fetch failed (%s); retrying in %.1fs", exc, pause)
-                self._stopping.wait(pause)
-                continue
-            if started:  # more may be due: fetch again at once (or as soon as a slot frees)
+            elif started:  # more may be due: fetch again at once
                 idle_sleep = MIN_IDLE_SLEEP
-                continue
-            timeout = min(idle_sleep, self.poll_interval, self._until_next_due())
-            idle_sleep = min(idle_sleep * 2, self.poll_interval)
-            self._wake.wait(timeout)
-            self._wake.clear()
+            else:
+                self._wake.wait(min(idle_sleep, self.poll_interval, self._until_next_due()))
+                idle_sleep = min(idle_sleep * 2, self.poll_interval)
 
-    def _fetch(self, pool: ThreadPoolExecutor) -> list[_Running]:
-        """Ack what was handled since the last fetch, claim up to the free slots and start their handlers."""
-        self._flush_acks()
-        started: list[_Running] = []
-        for handler, queue in self._queues.values():
-            free = self._free_slots()
-            if free == 0 or self._stopping.is_set():
-                break
-            for delivery in queue.try_poll_many(free):
-                running = _Running(handler, queue, delivery, self._extend_at(handler))
-                with self._lock:
-                    self._running[id(running)] = running
-                running.future = pool.submit(self._execute, running)
-                started.append(running)
+    def _fetch(self, free: int, *, guard: bool = True) -> list[_Held]:
+        """Claim up to ``free`` messages, shared fairly between queues, and start their handlers.
+
+        Queues take turns to claim first; each gets an equal share of the free slots, and what a
+        queue leaves (it had fewer due) goes to the others in further passes.
+        """
+        names = list(self._queues)
+        names = names[self._turn :] + names[: self._turn]
+        self._turn = (self._turn + 1) % len(names)
+        now = time.monotonic()
+        candidates = [n for n in names if self._retry_at.get(n, 0.0) <= now]
+        started: list[_Held] = []
+        while free > 0 and candidates and not self._stopping.is_set():
+            share, more = max(1, free // len(candidates)), []
+            for name in candidates:
+                if free == 0 or self._stopping.is_set():
+                    break
+                want = min(share, free)
+                got = self._claim(name, want, guard)
+                started += got
+                free -= len(got)
+                if len(got) == want:
+                    more.append(name)
+            candidates = more
+        return started
+
+    def _claim(self, name: str, limit: int, guard: bool) -> list[_Held]:
+        """Claim up to ``limit`` messages of one queue and start their handlers; on failure back this queue off."""
+        handler, queue = self._queues[name]
+        before = time.monotonic()
+        try:
+            deliveries = queue.try_poll_many(limit)
+        except Exception as exc:
+            if not guard or (isinstance(exc, SchemaMissingError) and self._last_fetch is None):
+                raise
+            errors = self._errors[name] = self._errors.get(name, 0) + 1
+            self._retry_at[name] = before + backoff(errors)
+            log.warning("queue %s: fetch failed (%s); next try in %.1fs", name, _describe(exc), backoff(errors))
+            return []
+        self._errors[name] = 0
+        self._last_fetch = time.monotonic()
+        vt = handler.visibility_timeout.total_seconds()
+        started = []
+        assert self._pool is not None
+        for delivery in deliveries:
+            held = _Held(handler, queue, delivery, extend_at=before + vt / 2, valid_until=before + vt)
+            with self._lock:
+                self._held[id(held)] = held
+            held.task = self._pool.submit(functools.partial(self._execute, held))
+            started.append(held)
         return started
 
     def _until_next_due(self) -> float:
@@ -206,7 +333,7 @@ class Worker:
         for _, queue in self._queues.values():
             try:
                 due = queue.next_due()
-            except (DBAPIError, DelayqError):
+            except Exception:  # the claim reports database trouble; here it only shortens nothing
                 return soonest
             if due is not None:
                 soonest = min(soonest, due.total_seconds())
@@ -214,55 +341,38 @@ class Worker:
 
     def _free_slots(self) -> int:
         with self._lock:
-            return self.concurrency - len(self._running)
+            return self.concurrency - sum(1 for h in self._held.values() if not h.done)
 
     # -- one delivery ---------------------------------------------------------------------------
-    def _execute(self, running: _Running) -> None:
-        handler, queue, delivery = running.handler, running.queue, running.delivery
-        ack_later = False
+    def _execute(self, held: _Held) -> None:
+        handler, queue, delivery = held.handler, held.queue, held.delivery
+        to_ack = False
         try:
             if handler.transactional:
                 self._handle_in_transaction(handler, queue, delivery)
             else:
                 handler.handle(delivery)
-                ack_later = True
+                to_ack = True
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-            self._record_failure(handler, queue, delivery, exc)
+            self._record_failure(handler, delivery, exc)
         finally:
             with self._lock:
-                self._running.pop(id(running), None)
-                if ack_later:
-                    self._to_ack.append(running)
-                else:
-                    self.handled += 1
+                if id(held) in self._held:  # not released by a shutdown meanwhile
+                    if to_ack and not held.lost:
+                        held.done = True  # the ack follows, with others, from the fetch loop
+                    else:
+                        del self._held[id(held)]
+                        self.handled += 1
             self._slot_freed.set()
             self._wake.set()
 
-    def _flush_acks(self) -> None:
-        """Ack the deliveries handled since the last flush: one statement per queue.
-
-        A handler that finishes frees its slot at once; its message stays locked until this ack,
-        which the fetch loop sends before its next claim (and the shutdown before it returns).
-        """
-        with self._lock:
-            done, self._to_ack = self._to_ack, []
-        for queue, deliveries in _by_queue(done):
-            try:
-                lost = len(deliveries) - queue.ack_many(deliveries)
-            except (DBAPIError, DelayqError) as exc:
-                log.warning("%s: could not ack %d message(s) (%s); they come again", queue.name, len(deliveries), exc)
-                continue
-            if lost:
-                log.warning("%s: %d lock(s) lost before the ack; those messages come again", queue.name, lost)
-        with self._lock:
-            self.handled += len(done)
-
     @staticmethod
-    def _record_failure(handler: Handler, queue: DelayedQueue, delivery: Delivery, exc: Exception) -> None:
+    def _record_failure(handler: Handler, delivery: Delivery, exc: Exception) -> None:
+        """Schedule the next attempt per the policy, or dead-letter; ``Retry`` counts as an attempt."""
         if isinstance(exc, DeadLetter):
             error, give_up = exc.reason, True
         elif isinstance(exc, Retry):
-            error, give_up = exc.reason or "retry requested", False
+            error, give_up = exc.reason or "retry requested", handler.retry.gives_up_after(delivery.attempts)
         else:
             error, give_up = f"{type(exc).__name__}: {exc}", handler.retry.gives_up_after(delivery.attempts)
         try:
@@ -270,55 +380,156 @@ class Worker:
                 log.warning("%s: attempt %d failed, dead-lettered: %s", delivery.label, delivery.attempts, error)
                 held = delivery.dead_letter(error)
             else:
-                delay = exc.after if isinstance(exc, Retry) and exc.after is not None else None
+                delay = exc.after if isinstance(exc, Retry) else None
                 delay = handler.retry.delay(delivery.attempts) if delay is None else delay
-                log.info(
-                    "%s: attempt %d failed, next in %s: %s",
-                    delivery.label,
-                    delivery.attempts,
-                    delay,
-                    error,
-                )
+                what = "retry requested" if isinstance(exc, Retry) else "failed"
+                log.info("%s: attempt %d %s, next in %s: %s", delivery.label, delivery.attempts, what, delay, error)
                 held = delivery.retry(delay, error)
             if not held:
-                log.warning("%s: lock lost before the failure was recorded", delivery.label)
-        except (DBAPIError, DelayqError) as db_error:
+                log.warning("%s: lock lost before the outcome was recorded", delivery.label)
+        except Exception as db_error:
             log.warning(
-                "%s: could not record the failure (%s); it will be delivered again",
+                "%s: could not record the outcome (%s); it will be delivered again",
                 delivery.label,
-                db_error,
+                _describe(db_error),
             )
 
-    def _handle_in_transaction(self, handler: Handler, queue: DelayedQueue, delivery: Delivery) -> None:
+    @staticmethod
+    def _handle_in_transaction(handler: Handler, queue: DelayedQueue, delivery: Delivery) -> None:
         with queue.transaction() as conn:
             handler.handle(delivery, conn)
             if not delivery.ack(using=conn):
                 conn.rollback()
                 log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _now(self) -> dt.datetime:
-        return self.clock.now() if self.clock is not None else dt.datetime.now(dt.UTC)
+    # -- acks -----------------------------------------------------------------------------------
+    def _flush_acks(self) -> None:
+        """Ack the handled deliveries: one statement per queue, never waiting on a row lock.
 
-    def _extend_at(self, handler: Handler) -> dt.datetime:
-        return self._now() + handler.visibility_timeout / 2
+        A handler that finishes frees its slot at once; its message stays locked (and its lock
+        extended) until an ack deletes it. What an ack could not delete this time (its row locked
+        by another transaction, or the statement failed) is tried again at the next flush, while
+        the lock is still held.
+        """
+        with self._lock:
+            pending = [h for h in self._held.values() if h.done and not h.acking and not h.lost]
+            for h in pending:
+                h.acking = True
+        for queue, group in _by_queue(pending):
+            try:
+                self._ack(queue, group)
+            except Exception as exc:
+                log.warning(
+                    "queue %s: could not ack %d message(s) (%s); trying again at the next flush",
+                    queue.name,
+                    len(group),
+                    _describe(exc),
+                )
+                self._forget_expired(group)
+            finally:
+                with self._lock:
+                    for h in group:
+                        h.acking = False
 
-    def _heartbeat(self) -> None:
-        """Extend the locks of handlers still running, half a visibility timeout ahead of expiry."""
+    def _ack(self, queue: DelayedQueue, group: list[_Held]) -> None:
+        deliveries = [h.delivery for h in group]
+        acked = queue.ack_many(deliveries, skip_locked=True)
+        gone = group
+        if acked < len(group):  # which are still ours (row locked elsewhere) and which are gone?
+            _, lost = self._extend(queue, group)
+            gone_ids = {id(d) for d in lost}
+            gone = [h for h in group if id(h.delivery) in gone_ids]
+            if len(gone) > acked:
+                log.warning(
+                    "queue %s: %d lock(s) lost before the ack; those messages come again",
+                    queue.name,
+                    len(gone) - acked,
+                )
+            if len(gone) < len(group):
+                log.info("queue %s: %d message(s) locked elsewhere; acked later", queue.name, len(group) - len(gone))
+        with self._lock:
+            for h in gone:
+                if self._held.pop(id(h), None) is not None:
+                    self.handled += 1
+
+    def _forget_expired(self, group: list[_Held]) -> None:
+        """Stop trying to ack deliveries whose locks may have expired: they are delivered again."""
+        expired = [h for h in group if not self._lock_valid(h)]
+        with self._lock:
+            for h in expired:
+                self._held.pop(id(h), None)
+        for h in expired:
+            log.warning("%s: not acked before its lock expired; it will be delivered again", h.delivery.label)
+
+    # -- heartbeat ------------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        """Extend the locks of held deliveries half a visibility timeout before they expire."""
+        errors = 0
         while not self._stopped.is_set():
-            with self._lock:
-                due = [r for r in self._running.values() if self._now() >= r.extend_at]
-            for r in due:
-                try:
-                    if r.delivery.extend(r.handler.visibility_timeout):
-                        r.extend_at = self._extend_at(r.handler)
-                    else:
-                        log.warning("%s: lock lost; another consumer may have it", r.delivery.label)
-                        r.extend_at = self._now() + dt.timedelta(days=365)
-                except (DBAPIError, DelayqError) as exc:
-                    log.warning("could not extend the lock of %s: %s", r.delivery.label, exc)
-            self._stopped.wait(0.05)
+            try:
+                failed = self._beat()
+            except Exception as exc:
+                log.warning("heartbeat: %s", _describe(exc), exc_info=True)
+                failed = True
+            errors = errors + 1 if failed else 0
+            self._stopped.wait(backoff(errors) if errors else HEARTBEAT_TICK)
 
+    def _beat(self) -> bool:
+        """One round: one ``extend_many`` per queue for the locks due; False when one failed."""
+        now = time.monotonic()
+        with self._lock:
+            due = [h for h in self._held.values() if not h.acking and not h.lost and self._extend_due(h, now)]
+        failed = False
+        for queue, group in _by_queue(due):
+            try:
+                self._extend(queue, group)
+            except Exception as exc:
+                failed = True
+                log.warning("queue %s: could not extend %d lock(s): %s", queue.name, len(group), _describe(exc))
+        return failed
+
+    def _extend(self, queue: DelayedQueue, group: list[_Held]) -> tuple[list[Delivery], list[Delivery]]:
+        """Extend the locks of ``group`` (one queue's); note which were extended and which were lost.
+
+        A delivery in neither list has its row locked by another transaction: it stays due and is
+        tried again at the next beat.
+        """
+        vt = group[0].handler.visibility_timeout
+        before = time.monotonic()
+        extended, lost = queue.extend_many([h.delivery for h in group], vt)
+        by_delivery = {id(h.delivery): h for h in group}
+        with self._lock:
+            for d in extended:
+                h = by_delivery[id(d)]
+                h.extend_at = before + vt.total_seconds() / 2
+                h.valid_until = before + vt.total_seconds()
+            newly_lost = []
+            for d in lost:
+                h = by_delivery[id(d)]
+                if h.acking or id(h) not in self._held or h.lost:
+                    continue  # acked meanwhile, or already reported
+                h.lost = True
+                newly_lost.append(h)
+                if h.done:  # handled, never to be acked: forget it
+                    del self._held[id(h)]
+                    self.handled += 1
+        for h in newly_lost:
+            log.warning("%s: lock lost; another consumer may have it", h.delivery.label)
+        return extended, lost
+
+    def _extend_due(self, h: _Held, now: float) -> bool:
+        if now >= h.extend_at:
+            return True
+        # On an injected clock the lock's expiry is in that clock's time, which tests move by hand.
+        vt = h.handler.visibility_timeout
+        return self.clock is not None and self.clock.now() >= h.delivery.locked_until - vt / 2
+
+    def _lock_valid(self, h: _Held) -> bool:
+        if time.monotonic() >= h.valid_until:
+            return False
+        return self.clock is None or self.clock.now() < h.delivery.locked_until
+
+    # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
         dialect, errors = dialect_for(self.engine), 0
         while not self._stopped.is_set():
@@ -329,41 +540,66 @@ class Worker:
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
-                pause = min(MAX_ERROR_BACKOFF, 0.1 * 2**errors)
-                log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", exc, pause)
-                self._stopped.wait(pause)
+                log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", _describe(exc), backoff(errors))
+                self._stopped.wait(backoff(errors))
 
-    def _shutdown(self, pool: ThreadPoolExecutor) -> None:
+    # -- shutdown -------------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        """Release what never started; wait for running handlers (acking, heartbeats going on);
+        after ``shutdown_timeout`` release what still runs."""
         with self._lock:
-            running = list(self._running.values())
-        unstarted = [r for r in running if r.future is not None and r.future.cancel()]
-        with self._lock:
-            for r in unstarted:
-                self._running.pop(id(r), None)
-        for queue, deliveries in _by_queue(unstarted):
-            try:
-                queue.release(deliveries)  # one transaction per queue
-            except (DBAPIError, DelayqError) as exc:
-                log.warning(
-                    "%s: could not release %d message(s) (%s); they return after their timeout",
-                    queue.name,
-                    len(deliveries),
-                    exc,
-                )
+            unstarted = [h for h in self._held.values() if not h.done and h.task is not None and h.task.cancel()]
+        self._release(unstarted, "never started")
         deadline = time.monotonic() + self.shutdown_timeout
-        while self._free_slots() < self.concurrency and time.monotonic() < deadline:
-            self._slot_freed.wait(0.05)
+        while True:
+            self._flush_guarded()
+            left = deadline - time.monotonic()
+            if self._free_slots() == self.concurrency or left <= 0:
+                break
+            self._slot_freed.wait(min(0.1, left))
             self._slot_freed.clear()
-        left = self.concurrency - self._free_slots()
-        if left:
+        with self._lock:
+            running = [h for h in self._held.values() if not h.done]
+        if running:
             log.warning(
-                "%d handler(s) still running after %.0fs; their messages return after the visibility timeout",
-                left,
+                "%d handler(s) still running after %.0fs: releasing their messages; their threads are abandoned",
+                len(running),
                 self.shutdown_timeout,
             )
-        pool.shutdown(wait=left == 0, cancel_futures=True)
-        self._flush_acks()
+        self._release(running, "still running")
+        self._flush_guarded()
+        with self._lock:
+            unacked = len(self._held)
+            self._held.clear()
+        if unacked:
+            log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         log.info("worker stopped")
+
+    def _flush_guarded(self) -> None:
+        try:
+            self._flush_acks()
+        except Exception as exc:
+            log.warning("could not ack: %s", _describe(exc))
+
+    def _release(self, helds: list[_Held], why: str) -> None:
+        """Give messages back, due again at once, the attempt not counted: one statement per queue."""
+        with self._lock:
+            for h in helds:
+                self._held.pop(id(h), None)
+        for queue, group in _by_queue(helds):
+            try:
+                queue.release([h.delivery for h in group])
+                log.info("queue %s: released %d message(s) (%s)", queue.name, len(group), why)
+            except Exception as exc:
+                log.warning(
+                    "queue %s: could not release %d message(s) (%s); they return after their timeout",
+                    queue.name,
+                    len(group),
+                    _describe(exc),
+                )
 
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
@@ -394,9 +630,15 @@ class Worker:
         return [q for _, q in self._queues.values()]
 
 
-def _by_queue(runnings: Iterable[_Running]) -> list[tuple[DelayedQueue, list[Delivery]]]:
-    """The deliveries grouped by queue, for one statement per queue."""
-    groups: dict[str, tuple[DelayedQueue, list[Delivery]]] = {}
-    for r in runnings:
-        groups.setdefault(r.queue.name, (r.queue, []))[1].append(r.delivery)
+def _by_queue(helds: Iterable[_Held]) -> list[tuple[DelayedQueue, list[_Held]]]:
+    """The held deliveries grouped by queue, for one statement per queue."""
+    groups: dict[str, tuple[DelayedQueue, list[_Held]]] = {}
+    for h in helds:
+        groups.setdefault(h.queue.name, (h.queue, []))[1].append(h)
     return list(groups.values())
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception for a log line: its type and first line (SQLAlchemy's messages run long)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -18,7 +18,14 @@ from delayq import DelayedQueue
 
 
 def start_worker(
-    backend: Backend, queue: str, markers: Path, *, seconds: float, concurrency: int = 4, visibility: float = 2.0
+    backend: Backend,
+    queue: str,
+    markers: Path,
+    *,
+    seconds: float,
+    concurrency: int = 4,
+    visibility: float = 2.0,
+    shutdown_timeout: float = 20.0,
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -39,7 +46,7 @@ def start_worker(
             "--concurrency",
             str(concurrency),
             "--shutdown-timeout",
-            "20",
+            str(shutdown_timeout),
         ],
         env=env,
         cwd=REPO_ROOT,
