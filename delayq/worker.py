@@ -25,10 +25,11 @@ from delayq.clock import Clock
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
+from delayq.leases import Lease, Leases, describe
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
-from delayq.threads import DaemonPool, Task
+from delayq.threads import DaemonPool
 
 log = logging.getLogger("delayq.worker")
 
@@ -59,26 +60,6 @@ class WorkerHealth:
     def healthy(self) -> bool:
         """Running, with every loop alive."""
         return self.running and all(self.loops.values())
-
-
-@dataclass(eq=False)
-class _Held:
-    """A delivery this worker holds, from the claim until its outcome is recorded."""
-
-    handler: Handler
-    queue: DelayedQueue
-    delivery: Delivery
-    extend_at: float
-    """Monotonic time of its next heartbeat."""
-    valid_until: float
-    """Monotonic time until which the lock is surely held (from before the claim or last extension)."""
-    task: Task | None = None
-    done: bool = False
-    """The handler returned: awaiting the ack."""
-    acking: bool = False
-    """An ack of it is under way (the heartbeat leaves it alone meanwhile)."""
-    lost: bool = False
-    """The heartbeat found the lock gone."""
 
 
 class Worker:
@@ -146,8 +127,7 @@ class Worker:
             self._queues[name] = (h, q)
         self._channel = next(iter(self._queues.values()))[1].tables.messages.name
         self._listen = listen
-        self._held: dict[int, _Held] = {}
-        self._lock = threading.Lock()
+        self._leases = Leases(clock)
         self._slot_freed = threading.Event()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -161,8 +141,6 @@ class Worker:
         self._retry_at: dict[str, float] = {}  # per queue: no claim before this monotonic time
         self._last_fetch: float | None = None
         self._error: BaseException | None = None
-        self.handled = 0
-        """Deliveries finished (acked, retried or dead-lettered) so far."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -193,15 +171,18 @@ class Worker:
     def health(self) -> WorkerHealth:
         """Whether the worker runs, its loops are alive, how recently it fetched, how much it holds."""
         running = not self._stopped.is_set()
-        with self._lock:
-            held = len(self._held)
         last = self._last_fetch
         return WorkerHealth(
             running=running,
             loops=MappingProxyType({name: running and t.is_alive() for name, t in self._loops.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
-            held=held,
+            held=len(self._leases),
         )
+
+    @property
+    def handled(self) -> int:
+        """Deliveries finished (acked, retried or dead-lettered) so far."""
+        return self._leases.handled
 
     def run_once(self) -> int:
         """Handle every message due now, then return how many were handled. For tests and scripts.
@@ -264,7 +245,7 @@ class Worker:
                 raise
             except Exception as exc:  # anything at all: log, back off, go on
                 errors += 1
-                log.warning("fetch loop: %s; going on in %.1fs", _describe(exc), backoff(errors), exc_info=True)
+                log.warning("fetch loop: %s; going on in %.1fs", describe(exc), backoff(errors), exc_info=True)
                 self._stopping.wait(backoff(errors))
                 continue
             if not free:
@@ -276,7 +257,7 @@ class Worker:
                 self._wake.wait(min(idle_sleep, self.poll_interval, self._until_next_due()))
                 idle_sleep = min(idle_sleep * 2, self.poll_interval)
 
-    def _fetch(self, free: int, *, guard: bool = True) -> list[_Held]:
+    def _fetch(self, free: int, *, guard: bool = True) -> list[Lease]:
         """Claim up to ``free`` messages, shared fairly between queues, and start their handlers.
 
         Queues take turns to claim first; each gets an equal share of the free slots, and what a
@@ -287,7 +268,7 @@ class Worker:
         self._turn = (self._turn + 1) % len(names)
         now = time.monotonic()
         candidates = [n for n in names if self._retry_at.get(n, 0.0) <= now]
-        started: list[_Held] = []
+        started: list[Lease] = []
         while free > 0 and candidates and not self._stopping.is_set():
             share, more = max(1, free // len(candidates)), []
             for name in candidates:
@@ -302,7 +283,7 @@ class Worker:
             candidates = more
         return started
 
-    def _claim(self, name: str, limit: int, guard: bool) -> list[_Held]:
+    def _claim(self, name: str, limit: int, guard: bool) -> list[Lease]:
         """Claim up to ``limit`` messages of one queue and start their handlers; on failure back this queue off."""
         handler, queue = self._queues[name]
         before = time.monotonic()
@@ -313,19 +294,16 @@ class Worker:
                 raise
             errors = self._errors[name] = self._errors.get(name, 0) + 1
             self._retry_at[name] = before + backoff(errors)
-            log.warning("queue %s: fetch failed (%s); next try in %.1fs", name, _describe(exc), backoff(errors))
+            log.warning("queue %s: fetch failed (%s); next try in %.1fs", name, describe(exc), backoff(errors))
             return []
         self._errors[name] = 0
         self._last_fetch = time.monotonic()
-        vt = handler.visibility_timeout.total_seconds()
         started = []
         assert self._pool is not None
         for delivery in deliveries:
-            held = _Held(handler, queue, delivery, extend_at=before + vt / 2, valid_until=before + vt)
-            with self._lock:
-                self._held[id(held)] = held
-            held.task = self._pool.submit(functools.partial(self._execute, held))
-            started.append(held)
+            lease = self._leases.add(handler, queue, delivery, before)
+            lease.task = self._pool.submit(functools.partial(self._execute, lease))
+            started.append(lease)
         return started
 
     def _until_next_due(self) -> float:
@@ -340,12 +318,11 @@ class Worker:
         return max(soonest, MIN_IDLE_SLEEP)
 
     def _free_slots(self) -> int:
-        with self._lock:
-            return self.concurrency - sum(1 for h in self._held.values() if not h.done)
+        return self.concurrency - self._leases.running()
 
     # -- one delivery ---------------------------------------------------------------------------
-    def _execute(self, held: _Held) -> None:
-        handler, queue, delivery = held.handler, held.queue, held.delivery
+    def _execute(self, lease: Lease) -> None:
+        handler, queue, delivery = lease.handler, lease.queue, lease.delivery
         to_ack = False
         try:
             if handler.transactional:
@@ -356,13 +333,7 @@ class Worker:
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             self._record_failure(handler, delivery, exc)
         finally:
-            with self._lock:
-                if id(held) in self._held:  # not released by a shutdown meanwhile
-                    if to_ack and not held.lost:
-                        held.done = True  # the ack follows, with others, from the fetch loop
-                    else:
-                        del self._held[id(held)]
-                        self.handled += 1
+            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
             self._slot_freed.set()
             self._wake.set()
 
@@ -391,7 +362,7 @@ class Worker:
             log.warning(
                 "%s: could not record the outcome (%s); it will be delivered again",
                 delivery.label,
-                _describe(db_error),
+                describe(db_error),
             )
 
     @staticmethod
@@ -402,132 +373,18 @@ class Worker:
                 conn.rollback()
                 log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
 
-    # -- acks -----------------------------------------------------------------------------------
-    def _flush_acks(self) -> None:
-        """Ack the handled deliveries: one statement per queue, never waiting on a row lock.
-
-        A handler that finishes frees its slot at once; its message stays locked (and its lock
-        extended) until an ack deletes it. What an ack could not delete this time (its row locked
-        by another transaction, or the statement failed) is tried again at the next flush, while
-        the lock is still held.
-        """
-        with self._lock:
-            pending = [h for h in self._held.values() if h.done and not h.acking and not h.lost]
-            for h in pending:
-                h.acking = True
-        for queue, group in _by_queue(pending):
-            try:
-                self._ack(queue, group)
-            except Exception as exc:
-                log.warning(
-                    "queue %s: could not ack %d message(s) (%s); trying again at the next flush",
-                    queue.name,
-                    len(group),
-                    _describe(exc),
-                )
-                self._forget_expired(group)
-            finally:
-                with self._lock:
-                    for h in group:
-                        h.acking = False
-
-    def _ack(self, queue: DelayedQueue, group: list[_Held]) -> None:
-        deliveries = [h.delivery for h in group]
-        acked = queue.ack_many(deliveries, skip_locked=True)
-        gone = group
-        if acked < len(group):  # which are still ours (row locked elsewhere) and which are gone?
-            _, lost = self._extend(queue, group)
-            gone_ids = {id(d) for d in lost}
-            gone = [h for h in group if id(h.delivery) in gone_ids]
-            if len(gone) > acked:
-                log.warning(
-                    "queue %s: %d lock(s) lost before the ack; those messages come again",
-                    queue.name,
-                    len(gone) - acked,
-                )
-            if len(gone) < len(group):
-                log.info("queue %s: %d message(s) locked elsewhere; acked later", queue.name, len(group) - len(gone))
-        with self._lock:
-            for h in gone:
-                if self._held.pop(id(h), None) is not None:
-                    self.handled += 1
-
-    def _forget_expired(self, group: list[_Held]) -> None:
-        """Stop trying to ack deliveries whose locks may have expired: they are delivered again."""
-        expired = [h for h in group if not self._lock_valid(h)]
-        with self._lock:
-            for h in expired:
-                self._held.pop(id(h), None)
-        for h in expired:
-            log.warning("%s: not acked before its lock expired; it will be delivered again", h.delivery.label)
-
     # -- heartbeat ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        """Extend the locks of held deliveries half a visibility timeout before they expire."""
+        """Extend the locks held, half a visibility timeout before they would expire."""
         errors = 0
         while not self._stopped.is_set():
             try:
-                failed = self._beat()
+                ok = self._leases.beat()
             except Exception as exc:
-                log.warning("heartbeat: %s", _describe(exc), exc_info=True)
-                failed = True
-            errors = errors + 1 if failed else 0
+                log.warning("heartbeat: %s", describe(exc), exc_info=True)
+                ok = False
+            errors = 0 if ok else errors + 1
             self._stopped.wait(backoff(errors) if errors else HEARTBEAT_TICK)
-
-    def _beat(self) -> bool:
-        """One round: one ``extend_many`` per queue for the locks due; False when one failed."""
-        now = time.monotonic()
-        with self._lock:
-            due = [h for h in self._held.values() if not h.acking and not h.lost and self._extend_due(h, now)]
-        failed = False
-        for queue, group in _by_queue(due):
-            try:
-                self._extend(queue, group)
-            except Exception as exc:
-                failed = True
-                log.warning("queue %s: could not extend %d lock(s): %s", queue.name, len(group), _describe(exc))
-        return failed
-
-    def _extend(self, queue: DelayedQueue, group: list[_Held]) -> tuple[list[Delivery], list[Delivery]]:
-        """Extend the locks of ``group`` (one queue's); note which were extended and which were lost.
-
-        A delivery in neither list has its row locked by another transaction: it stays due and is
-        tried again at the next beat.
-        """
-        vt = group[0].handler.visibility_timeout
-        before = time.monotonic()
-        extended, lost = queue.extend_many([h.delivery for h in group], vt)
-        by_delivery = {id(h.delivery): h for h in group}
-        with self._lock:
-            for d in extended:
-                h = by_delivery[id(d)]
-                h.extend_at = before + vt.total_seconds() / 2
-                h.valid_until = before + vt.total_seconds()
-            newly_lost = []
-            for d in lost:
-                h = by_delivery[id(d)]
-                if h.acking or id(h) not in self._held or h.lost:
-                    continue  # acked meanwhile, or already reported
-                h.lost = True
-                newly_lost.append(h)
-                if h.done:  # handled, never to be acked: forget it
-                    del self._held[id(h)]
-                    self.handled += 1
-        for h in newly_lost:
-            log.warning("%s: lock lost; another consumer may have it", h.delivery.label)
-        return extended, lost
-
-    def _extend_due(self, h: _Held, now: float) -> bool:
-        if now >= h.extend_at:
-            return True
-        # On an injected clock the lock's expiry is in that clock's time, which tests move by hand.
-        vt = h.handler.visibility_timeout
-        return self.clock is not None and self.clock.now() >= h.delivery.locked_until - vt / 2
-
-    def _lock_valid(self, h: _Held) -> bool:
-        if time.monotonic() >= h.valid_until:
-            return False
-        return self.clock is None or self.clock.now() < h.delivery.locked_until
 
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
@@ -540,37 +397,32 @@ class Worker:
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
-                log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", _describe(exc), backoff(errors))
+                log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", describe(exc), backoff(errors))
                 self._stopped.wait(backoff(errors))
 
     # -- shutdown -------------------------------------------------------------------------------
     def _shutdown(self) -> None:
         """Release what never started; wait for running handlers (acking, heartbeats going on);
         after ``shutdown_timeout`` release what still runs."""
-        with self._lock:
-            unstarted = [h for h in self._held.values() if not h.done and h.task is not None and h.task.cancel()]
-        self._release(unstarted, "never started")
+        self._leases.release(self._leases.cancel_unstarted(), "never started")
         deadline = time.monotonic() + self.shutdown_timeout
         while True:
-            self._flush_guarded()
+            self._flush_acks()
             left = deadline - time.monotonic()
             if self._free_slots() == self.concurrency or left <= 0:
                 break
             self._slot_freed.wait(min(0.1, left))
             self._slot_freed.clear()
-        with self._lock:
-            running = [h for h in self._held.values() if not h.done]
+        running = self._leases.still_running()
         if running:
             log.warning(
                 "%d handler(s) still running after %.0fs: releasing their messages; their threads are abandoned",
                 len(running),
                 self.shutdown_timeout,
             )
-        self._release(running, "still running")
-        self._flush_guarded()
-        with self._lock:
-            unacked = len(self._held)
-            self._held.clear()
+        self._leases.release(running, "still running")
+        self._flush_acks()
+        unacked = self._leases.clear()
         if unacked:
             log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
         if self._pool is not None:
@@ -578,28 +430,11 @@ class Worker:
             self._pool = None
         log.info("worker stopped")
 
-    def _flush_guarded(self) -> None:
+    def _flush_acks(self) -> None:
         try:
-            self._flush_acks()
+            self._leases.flush_acks()
         except Exception as exc:
-            log.warning("could not ack: %s", _describe(exc))
-
-    def _release(self, helds: list[_Held], why: str) -> None:
-        """Give messages back, due again at once, the attempt not counted: one statement per queue."""
-        with self._lock:
-            for h in helds:
-                self._held.pop(id(h), None)
-        for queue, group in _by_queue(helds):
-            try:
-                queue.release([h.delivery for h in group])
-                log.info("queue %s: released %d message(s) (%s)", queue.name, len(group), why)
-            except Exception as exc:
-                log.warning(
-                    "queue %s: could not release %d message(s) (%s); they return after their timeout",
-                    queue.name,
-                    len(group),
-                    _describe(exc),
-                )
+            log.warning("could not ack: %s", describe(exc))
 
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
@@ -628,17 +463,3 @@ class Worker:
     def queues(self) -> Sequence[DelayedQueue]:
         """The queues this worker consumes."""
         return [q for _, q in self._queues.values()]
-
-
-def _by_queue(helds: Iterable[_Held]) -> list[tuple[DelayedQueue, list[_Held]]]:
-    """The held deliveries grouped by queue, for one statement per queue."""
-    groups: dict[str, tuple[DelayedQueue, list[_Held]]] = {}
-    for h in helds:
-        groups.setdefault(h.queue.name, (h.queue, []))[1].append(h)
-    return list(groups.values())
-
-
-def _describe(exc: BaseException) -> str:
-    """An exception for a log line: its type and first line (SQLAlchemy's messages run long)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -1,0 +1,244 @@
+"""The deliveries a worker holds: their heartbeats, their acks, their release.
+
+A lease runs from the claim until the message's outcome is recorded: while its handler runs, and
+after the handler returned until the ack deletes the message. The heartbeat extends the locks of
+the leases due, with one ``extend_many`` per queue; acks go out with one ``ack_many`` per queue.
+Neither ever waits on a row lock that another transaction holds: such a row is tried again at
+the next round, while the lock is still held. Timers are ``time.monotonic()``; with an injected
+clock the lock's expiry in that clock's time counts too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from delayq.clock import Clock
+from delayq.handler import Handler
+from delayq.messages import Delivery
+from delayq.queue import DelayedQueue
+from delayq.threads import Task
+
+log = logging.getLogger("delayq.worker")
+
+
+@dataclass(eq=False)
+class Lease:
+    """A delivery the worker holds, from the claim until its outcome is recorded."""
+
+    handler: Handler
+    queue: DelayedQueue
+    delivery: Delivery
+    extend_at: float
+    """Monotonic time of its next heartbeat."""
+    valid_until: float
+    """Monotonic time until which the lock surely holds (from before the claim or the last extension)."""
+    task: Task | None = None
+    done: bool = False
+    """The handler returned: awaiting the ack."""
+    acking: bool = False
+    """An ack of it is under way (the heartbeat leaves it alone meanwhile)."""
+    lost: bool = False
+    """The heartbeat found the lock gone."""
+
+
+class Leases:
+    """The leases of one worker; thread-safe."""
+
+    def __init__(self, clock: Clock | None) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[int, Lease] = {}
+        self.handled = 0
+        """Deliveries finished (acked, retried, dead-lettered, or found lost) so far."""
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def add(self, handler: Handler, queue: DelayedQueue, delivery: Delivery, claimed_at: float) -> Lease:
+        """A lease on a delivery claimed by a statement sent at monotonic time ``claimed_at``."""
+        vt = handler.visibility_timeout.total_seconds()
+        lease = Lease(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
+        with self._lock:
+            self._leases[id(lease)] = lease
+        return lease
+
+    def running(self) -> int:
+        """How many handlers run."""
+        with self._lock:
+            return sum(1 for lease in self._leases.values() if not lease.done)
+
+    def finish(self, lease: Lease, to_ack: bool) -> None:
+        """The handler returned; ``to_ack`` when its message awaits the ack (else its outcome is recorded)."""
+        with self._lock:
+            if id(lease) not in self._leases:  # released by a shutdown meanwhile
+                return
+            if to_ack and not lease.lost:
+                lease.done = True
+            else:
+                del self._leases[id(lease)]
+                self.handled += 1
+
+    def cancel_unstarted(self) -> list[Lease]:
+        """The leases whose handlers had not started, now kept from starting."""
+        with self._lock:
+            leases = list(self._leases.values())
+        return [x for x in leases if not x.done and x.task is not None and x.task.cancel()]
+
+    def still_running(self) -> list[Lease]:
+        with self._lock:
+            return [x for x in self._leases.values() if not x.done]
+
+    def clear(self) -> int:
+        """Forget every lease (their locks run out by themselves); how many there were."""
+        with self._lock:
+            left = len(self._leases)
+            self._leases.clear()
+            return left
+
+    # -- acks -----------------------------------------------------------------------------------
+    def flush_acks(self) -> None:
+        """Ack the handled deliveries: one statement per queue, never waiting on a row lock.
+
+        What an ack could not delete this time (its row locked by another transaction, or the
+        statement failed) is tried again at the next flush, while the lock still holds.
+        """
+        with self._lock:
+            pending = [x for x in self._leases.values() if x.done and not x.acking and not x.lost]
+            for x in pending:
+                x.acking = True
+        for queue, group in by_queue(pending):
+            try:
+                self._ack(queue, group)
+            except Exception as exc:
+                log.warning(
+                    "queue %s: could not ack %d message(s) (%s); trying again at the next flush",
+                    queue.name,
+                    len(group),
+                    describe(exc),
+                )
+                self._forget_expired(group)
+            finally:
+                with self._lock:
+                    for x in group:
+                        x.acking = False
+
+    def _ack(self, queue: DelayedQueue, group: list[Lease]) -> None:
+        acked = queue.ack_many([x.delivery for x in group], skip_locked=True)
+        gone = group
+        if acked < len(group):  # which are still ours (row locked elsewhere), which are gone?
+            _, lost = self._extend(queue, group)
+            lost_ids = {id(d) for d in lost}
+            gone = [x for x in group if id(x.delivery) in lost_ids]
+            if len(gone) > acked:
+                log.warning(
+                    "queue %s: %d lock(s) lost before the ack; those messages come again",
+                    queue.name,
+                    len(gone) - acked,
+                )
+            if len(gone) < len(group):
+                log.info("queue %s: %d message(s) locked elsewhere; acked later", queue.name, len(group) - len(gone))
+        with self._lock:
+            for x in gone:
+                if self._leases.pop(id(x), None) is not None:
+                    self.handled += 1
+
+    def _forget_expired(self, group: list[Lease]) -> None:
+        """Stop trying to ack deliveries whose locks may have expired: they are delivered again."""
+        expired = [x for x in group if not self._lock_valid(x)]
+        with self._lock:
+            for x in expired:
+                self._leases.pop(id(x), None)
+        for x in expired:
+            log.warning("%s: not acked before its lock expired; it will be delivered again", x.delivery.label)
+
+    # -- heartbeat ------------------------------------------------------------------------------
+    def beat(self) -> bool:
+        """Extend the locks due: one ``extend_many`` per queue. False when one of them failed."""
+        now = time.monotonic()
+        with self._lock:
+            due = [x for x in self._leases.values() if not x.acking and not x.lost and self._extend_due(x, now)]
+        ok = True
+        for queue, group in by_queue(due):
+            try:
+                self._extend(queue, group)
+            except Exception as exc:
+                ok = False
+                log.warning("queue %s: could not extend %d lock(s): %s", queue.name, len(group), describe(exc))
+        return ok
+
+    def _extend(self, queue: DelayedQueue, group: list[Lease]) -> tuple[list[Delivery], list[Delivery]]:
+        """Extend the locks of one queue's ``group``; note which were extended and which were lost.
+
+        A delivery in neither list has its row locked by another transaction: it stays due and is
+        tried again at the next beat. A lost lock is logged once.
+        """
+        vt = group[0].handler.visibility_timeout
+        before = time.monotonic()
+        extended, lost = queue.extend_many([x.delivery for x in group], vt)
+        of = {id(x.delivery): x for x in group}
+        newly_lost = []
+        with self._lock:
+            for d in extended:
+                of[id(d)].extend_at = before + vt.total_seconds() / 2
+                of[id(d)].valid_until = before + vt.total_seconds()
+            for d in lost:
+                x = of[id(d)]
+                if x.acking or x.lost or id(x) not in self._leases:
+                    continue  # acked meanwhile, or reported already
+                x.lost = True
+                newly_lost.append(x)
+                if x.done:  # handled, and never to be acked
+                    del self._leases[id(x)]
+                    self.handled += 1
+        for x in newly_lost:
+            log.warning("%s: lock lost; another consumer may have it", x.delivery.label)
+        return extended, lost
+
+    def _extend_due(self, lease: Lease, now: float) -> bool:
+        if now >= lease.extend_at:
+            return True
+        # On an injected clock the lock's expiry is in that clock's time, which tests move by hand.
+        half = lease.handler.visibility_timeout / 2
+        return self.clock is not None and self.clock.now() >= lease.delivery.locked_until - half
+
+    def _lock_valid(self, lease: Lease) -> bool:
+        if time.monotonic() >= lease.valid_until:
+            return False
+        return self.clock is None or self.clock.now() < lease.delivery.locked_until
+
+    # -- release --------------------------------------------------------------------------------
+    def release(self, leases: list[Lease], why: str) -> None:
+        """Give messages back, due again at once, the attempt not counted: one statement per queue."""
+        with self._lock:
+            for x in leases:
+                self._leases.pop(id(x), None)
+        for queue, group in by_queue(leases):
+            try:
+                queue.release([x.delivery for x in group])
+                log.info("queue %s: released %d message(s) (%s)", queue.name, len(group), why)
+            except Exception as exc:
+                log.warning(
+                    "queue %s: could not release %d message(s) (%s); they return after their timeout",
+                    queue.name,
+                    len(group),
+                    describe(exc),
+                )
+
+
+def by_queue(leases: Iterable[Lease]) -> list[tuple[DelayedQueue, list[Lease]]]:
+    """The leases grouped by queue, for one statement per queue."""
+    groups: dict[str, tuple[DelayedQueue, list[Lease]]] = {}
+    for x in leases:
+        groups.setdefault(x.queue.name, (x.queue, []))[1].append(x)
+    return list(groups.values())
+
+
+def describe(exc: BaseException) -> str:
+    """An exception for a log line: its type and first line (SQLAlchemy's messages run long)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
