@@ -62,6 +62,10 @@ class WorkerHealth:
         return self.running and all(self.loops.values())
 
 
+class _NotBegun(Exception):
+    """A transactional handler's transaction could not begin (no connection): the handler did not run."""
+
+
 class Worker:
     """Consumes the queues of its handlers until stopped.
 
@@ -330,6 +334,9 @@ class Worker:
             else:
                 handler.handle(delivery)
                 to_ack = True
+        except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
+            log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
+            self._leases.release([lease], "the handler's transaction could not begin")
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             self._record_failure(handler, delivery, exc)
         finally:
@@ -367,11 +374,19 @@ class Worker:
 
     @staticmethod
     def _handle_in_transaction(handler: Handler, queue: DelayedQueue, delivery: Delivery) -> None:
-        with queue.transaction() as conn:
-            handler.handle(delivery, conn)
-            if not delivery.ack(using=conn):
-                conn.rollback()
-                log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
+        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin."""
+        begun = False
+        try:
+            with queue.transaction() as conn:
+                begun = True
+                handler.handle(delivery, conn)
+                if not delivery.ack(using=conn):
+                    conn.rollback()
+                    log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
+        except Exception as exc:
+            if begun:
+                raise
+            raise _NotBegun from exc
 
     # -- heartbeat ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
