@@ -435,9 +435,13 @@ def test_a_failed_ack_is_tried_again_while_the_lock_holds(
     try:
         with running(worker):
             wait_until(lambda: gate.started == {"x"}, "the handler to start")
-            while len(hog) < 2:  # take the whole pool: the worker's next statements time out
+
+            def take_the_pool() -> bool:  # the worker's next statements time out waiting for a connection
                 with contextlib.suppress(sa.exc.TimeoutError):
                     hog.append(engine.connect())
+                return len(hog) == 2
+
+            wait_until(take_the_pool, "the whole pool", limit=5)
             gate.release("x")
             wait_until(lambda: "could not ack" in caplog.text, "a failed ack")
             for conn in hog:
