@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,6 +25,18 @@ _TRANSIENT = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
 def _sqlstate(exc: DBAPIError) -> str:
     orig = exc.orig
     return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+
+
+PING = ""
+"""The payload of the listener's own test notification (no queue has an empty name)."""
+LISTEN_PING_AFTER = 10.0
+"""Seconds without a notification after which the listener checks its connection."""
+LISTEN_PING_TIMEOUT = 5.0
+"""Seconds the listener waits for its test notification before it gives up on the connection."""
+
+
+class ListenStalledError(Exception):
+    """The LISTEN connection stopped delivering notifications; the caller reconnects."""
 
 
 class PostgresDialect(Dialect):
@@ -63,11 +76,30 @@ class PostgresDialect(Dialect):
             conn.rollback()
             conn.autocommit = True
             conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+            heard, pinged = time.monotonic(), None
             while not stop.is_set():
                 for notice in conn.notifies(timeout=0.5):
-                    yield notice.payload
+                    heard, pinged = time.monotonic(), None
+                    if notice.payload != PING:
+                        yield notice.payload
+                # A half-open connection (a peer gone without a FIN) delivers nothing and raises
+                # nothing: after a quiet spell, notify ourselves through another connection and
+                # give up on this one when that does not arrive.
+                quiet = time.monotonic() - heard
+                if pinged is None and quiet > LISTEN_PING_AFTER:
+                    self._ping(engine, channel)
+                    pinged = time.monotonic()
+                elif pinged is not None and time.monotonic() - pinged > LISTEN_PING_TIMEOUT:
+                    raise ListenStalledError(
+                        f"LISTEN {channel}: a test notification did not arrive in {LISTEN_PING_TIMEOUT:.0f}s"
+                    )
         finally:
             pooled.close()
+
+    def _ping(self, engine: sa.Engine, channel: str) -> None:
+        with engine.connect() as conn:
+            conn.execute(sa.select(sa.func.pg_notify(channel, PING)))
+            conn.commit()
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
