@@ -23,7 +23,6 @@ import sqlalchemy as sa
 
 from delayq import migrations
 from delayq.browse import State, list_messages, queue_names
-from delayq.cron import HASH_LENGTH
 from delayq.errors import DelayqError
 from delayq.handler import Handler
 from delayq.queue import DelayedQueue
@@ -448,29 +447,65 @@ dead.command(name="purge")(_dead_command("purge"))
 # -- cron ----------------------------------------------------------------------------------------------
 @main.group()
 def cron() -> None:
-    """Look at installed cron schedules."""
+    """Look at installed cron schedules, or uninstall one."""
 
 
 @cron.command(name="ls")
 @click.option("--queue", help="Only this queue.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--at", "at_text", hidden=True, help="Judge as of this time (ISO 8601) instead of the database's now.")
 @click.pass_context
 @friendly
-def cron_ls(ctx: click.Context, queue: str | None, as_json: bool) -> None:
-    """Installed schedules: queue, prefix, configuration, next due times."""
-    key_shape = re.compile(rf"^(?P<prefix>[^/]+)/(?P<config>[0-9a-f]{{{HASH_LENGTH}}})/(?P<due>\d+)$")
-    m = make_tables(ctx.obj["prefix"]).messages
-    stmt = sa.select(m.c.queue, m.c.key).where(m.c.key.like("%/%/%")).order_by(m.c.queue, m.c.scheduled_at_initially)
-    if queue:
-        stmt = stmt.where(m.c.queue == queue)
-    schedules: dict[tuple[str, str, str], list[str]] = {}
-    with connect(ctx) as (_, conn):
-        for q, key in conn.execute(stmt):
-            if match := key_shape.match(key):
-                due = dt.datetime.fromtimestamp(int(match["due"]) / 1000, dt.UTC).isoformat()
-                schedules.setdefault((q, match["prefix"], match["config"]), []).append(due)
-    rows = [{"queue": q, "prefix": p, "config": c, "next_due": dues[:3]} for (q, p, c), dues in schedules.items()]
-    emit(rows, as_json, ["queue", "prefix", "config", "next_due"])
+def cron_ls(ctx: click.Context, queue: str | None, as_json: bool, at_text: str | None) -> None:
+    """Installed schedules: definition, next and last run, who refreshed them when, and whether they stalled.
+
+    A schedule is STALLED when no process has refreshed it for longer than its look-ahead: its installed
+    runs are used up, and no process that declares it is running.
+    """
+    from delayq.cron import schedule_views
+
+    with connect(ctx) as (engine, conn):
+        now = parse_time(at_text) if at_text else None
+        views = schedule_views(engine, conn, make_tables(ctx.obj["prefix"]), queue=queue, now=now)
+    if as_json:
+        click.echo(json.dumps(views, indent=2, default=str))
+        return
+    rows = [
+        {
+            "queue": v["queue"],
+            "name": v["name"],
+            "definition": v["summary"],
+            "next_run": v["next_run"],
+            "last_run": None if v["last_run"] is None else f"{v['last_run']['due']} ({v['last_run']['state']})",
+            "refreshed": f"{v['refreshed_at']} by {v['refreshed_by']}" if v["refreshed_at"] else None,
+            "stalled": "STALLED" if v["stalled"] else "",
+        }
+        for v in views
+    ]
+    emit(rows, False, ["queue", "name", "definition", "next_run", "last_run", "refreshed", "stalled"])
+
+
+@cron.command(name="uninstall")
+@click.argument("queue")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+@friendly
+def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None:
+    """Delete a schedule's record and its pending runs, in one transaction.
+
+    A process that still declares the schedule installs it again (and logs a warning that it did).
+    """
+    from delayq.cron import uninstall
+
+    if not yes:
+        click.confirm(f"uninstall cron schedule {name!r} of queue {queue!r}?", abort=True)
+    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
+    try:
+        deleted = uninstall(admin_queue(engine, ctx, queue), name)
+    finally:
+        engine.dispose()
+    click.echo(f"{queue} {name}: uninstalled, {deleted} pending run(s) deleted")
 
 
 if __name__ == "__main__":

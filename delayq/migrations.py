@@ -17,7 +17,7 @@ from alembic.config import Config
 from sqlalchemy.engine import Connection
 
 from alembic import command
-from delayq.schema import DEFAULT_PREFIX
+from delayq.schema import DEFAULT_PREFIX, make_tables
 
 BRANCH = "delayq"
 
@@ -67,7 +67,7 @@ def downgrade(url: str | None = None, revision: str = "base", **kwargs: Any) -> 
 
 def table_names(prefix: str = DEFAULT_PREFIX) -> set[str]:
     """The names of delayq's tables, its version table included."""
-    return {f"{prefix}messages", f"{prefix}dead_letters", version_table(prefix)}
+    return {t.name for t in make_tables(prefix).metadata.sorted_tables} | {version_table(prefix)}
 
 
 IncludeName = Callable[[str | None, str, Any], bool]

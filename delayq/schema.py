@@ -1,8 +1,8 @@
 """delayq's tables as SQLAlchemy metadata.
 
-``make_tables(prefix, schema)`` builds (once per prefix and schema) the live-message table and
-the dead-letter table; ``metadata`` holds the default ``delayq_*`` tables. The Alembic
-migrations build exactly this schema, and a test holds them to it.
+``make_tables(prefix, schema)`` builds (once per prefix and schema) the live-message table, the
+dead-letter table and the cron schedules' records; ``metadata`` holds the default ``delayq_*``
+tables. The Alembic migrations build exactly this schema, and a test holds them to it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
 
 MAX_KEY_LENGTH = 200
 MAX_QUEUE_LENGTH = 100
+MAX_SCHEDULE_NAME_LENGTH = 150
 DEFAULT_PREFIX = "delayq_"
 
 
@@ -27,6 +28,7 @@ class Tables:
     metadata: sa.MetaData
     messages: sa.Table
     dead_letters: sa.Table
+    schedules: sa.Table
 
 
 def _message_columns() -> list[sa.Column[Any]]:
@@ -42,7 +44,7 @@ def _message_columns() -> list[sa.Column[Any]]:
 
 @functools.cache
 def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tables:
-    """The tables named ``{prefix}messages`` and ``{prefix}dead_letters`` in ``schema``."""
+    """The tables named ``{prefix}messages``, ``{prefix}dead_letters`` and ``{prefix}schedules`` in ``schema``."""
     md = sa.MetaData(schema=schema)
     messages = sa.Table(
         f"{prefix}messages",
@@ -72,7 +74,21 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Index(f"{prefix}dead_letters_failed_ix", "queue", "failed_at"),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters)
+    # One row per installed cron schedule (delayq.cron): what it is, and who refreshed it when (database time).
+    schedules = sa.Table(
+        f"{prefix}schedules",
+        md,
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), primary_key=True),
+        sa.Column("name", name_type(MAX_SCHEDULE_NAME_LENGTH), primary_key=True),
+        sa.Column("definition", sa.Text, nullable=False),
+        sa.Column("config_hash", sa.String(32), nullable=False),
+        sa.Column("installed_at", sa.BigInteger, nullable=False),
+        sa.Column("refreshed_at", sa.BigInteger, nullable=False),
+        sa.Column("refreshed_by", sa.String(200), nullable=False),
+        sa.Column("installed_until", sa.BigInteger, nullable=True),
+        **TABLE_OPTIONS,
+    )
+    return Tables(md, messages, dead_letters, schedules)
 
 
 _default = make_tables()

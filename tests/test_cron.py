@@ -17,6 +17,7 @@ from test_concurrency import run_together
 from test_worker import handler_for
 
 from delayq import CronService, DelayedQueue, Delivery, ManualClock, RetryPolicy, Worker
+from delayq.cron import parse_run_key, run_key, run_prefix
 from delayq.errors import InvalidInputError
 
 BERLIN = zoneinfo.ZoneInfo("Europe/Berlin")
@@ -81,7 +82,7 @@ def test_a_changed_schedule_replaces_its_pending_runs(queue: DelayedQueue) -> No
     new = cron.install_periodic("report", every=MINUTE * 30, payload={"v": 2})
     assert old.config_hash != new.config_hash
     keys = [k for k, _ in installed(queue)]
-    assert len(keys) == 4 and all(k.startswith(f"report/{new.config_hash}/") for k in keys)
+    assert len(keys) == 4 and all(k.startswith(run_prefix("report", new.config_hash)) for k in keys)
     assert queue.get(keys[0]).payload == {"v": 2}
     assert CronService(queue).install_periodic("report", every=MINUTE * 30, payload={"v": 2}).config_hash == (
         new.config_hash
@@ -96,12 +97,11 @@ def test_install_tick_and_prefixes_with_like_wildcards(queue: DelayedQueue) -> N
         cron.install_tick(prefix, "h1", [(START + MINUTE, {"p": prefix})])
     cron.install_tick("a_b", "h2", [(START + 2 * MINUTE, {"p": "a_b"})])  # replaces a_b/h1 only
     assert sorted(k for k, _ in installed(queue)) == sorted(
-        ["a_b/h2/" + str(int((START + 2 * MINUTE).timestamp() * 1000))]
-        + [f"{p}/h1/{int((START + MINUTE).timestamp() * 1000)}" for p in ("axb", "a%", "ab")]
+        [run_key("a_b", "h2", START + 2 * MINUTE)] + [run_key(p, "h1", START + MINUTE) for p in ("axb", "a%", "ab")]
     )
     assert cron.uninstall("a%") == 1
     assert cron.uninstall("a_b") == 1
-    assert sorted(k.split("/")[0] for k, _ in installed(queue)) == ["ab", "axb"]
+    assert sorted(parse_run_key(k)[0] for k, _ in installed(queue)) == ["ab", "axb"]  # type: ignore[index]
     with pytest.raises(InvalidInputError):
         cron.install_tick("a/b", "h", [])
 
