@@ -152,6 +152,7 @@ class Worker:
 
         Raises ``SchemaMissingError`` when delayq's tables are missing at the first fetch.
         """
+        self._stopping.clear()
         restore = self._install_signal_handlers()
         try:
             self._serve()
@@ -162,6 +163,7 @@ class Worker:
 
     def start(self) -> None:
         """Run in a background thread (no signal handling): embed the worker in an application."""
+        self._stopping.clear()
         self._stopped.clear()
         self._thread = threading.Thread(target=self._serve, name="delayq-worker", daemon=True)
         self._thread.start()
@@ -212,7 +214,6 @@ class Worker:
     # -- the fetch loop -------------------------------------------------------------------------
     def _serve(self) -> None:
         self._stopped.clear()
-        self._stopping.clear()
         self._error = None
         self._pool = DaemonPool(self.concurrency, "delayq-handler")
         self._loops = {

@@ -501,3 +501,10 @@ def test_health_reports_running_loops_fetches_and_held_deliveries(
         gate.release("job")
     after = worker.health()
     assert not after.running and not after.healthy and not any(after.loops.values())
+
+
+def test_a_stop_right_after_the_start_stops_the_worker(engine: sa.Engine, queue_name: str, clock: ManualClock) -> None:
+    worker = Worker(engine, [handler_for(queue_name, lambda d, _: None)], clock=clock)
+    worker.start()
+    assert worker.stop(10)
+    assert not worker.health().running
