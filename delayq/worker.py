@@ -339,15 +339,16 @@ class Worker:
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
             self._leases.release([lease], "the handler's transaction could not begin")
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-            self._record_failure(handler, delivery, exc)
+            self._record_failure(lease, exc)
         finally:
             self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
             self._slot_freed.set()
             self._wake.set()
 
     @staticmethod
-    def _record_failure(handler: Handler, delivery: Delivery, exc: Exception) -> None:
+    def _record_failure(lease: Lease, exc: Exception) -> None:
         """Schedule the next attempt per the policy, or dead-letter; ``Retry`` counts as an attempt."""
+        handler, delivery = lease.handler, lease.delivery
         if isinstance(exc, DeadLetter):
             error, give_up = exc.reason, True
         elif isinstance(exc, Retry):
@@ -364,7 +365,7 @@ class Worker:
                 what = "retry requested" if isinstance(exc, Retry) else "failed"
                 log.info("%s: attempt %d %s, next in %s: %s", delivery.label, delivery.attempts, what, delay, error)
                 held = delivery.retry(delay, error)
-            if not held:
+            if not held and not lease.lost:  # (a lost lock the heartbeat found is logged already)
                 log.warning("%s: lock lost before the outcome was recorded", delivery.label)
         except Exception as db_error:
             log.warning(

@@ -131,7 +131,12 @@ def test_a_lost_lock_is_logged_once(
     engine: sa.Engine, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     vt, gate = 10 * SECOND, Gate()
-    worker = Worker(engine, [handler_for(queue_name, gate, visibility_timeout=vt)], clock=clock, poll_interval=FAST)
+
+    def body(d: Delivery, conn: object) -> None:
+        gate(d, conn)
+        raise ValueError("fails after its lock was lost")  # the retry finds the lock gone: said once
+
+    worker = Worker(engine, [handler_for(queue_name, body, visibility_timeout=vt)], clock=clock, poll_interval=FAST)
     q = worker.queues[0]
     m = q.tables.messages
     q.offer("a", 1)
