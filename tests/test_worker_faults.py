@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import REPO_ROOT, Backend, count_rows
+from faults import hold_row_lock
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from test_worker import handler_for, wait_until
 from test_worker_processes import markers_of, processes, start_worker  # noqa: F401 (a fixture)
@@ -44,14 +45,13 @@ SERVERS = pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=T
 
 
 @contextlib.contextmanager
-def row_locked(engine: sa.Engine, queue: DelayedQueue, key: str) -> Iterator[None]:
+def row_locked(backend: Backend, queue: DelayedQueue, key: str) -> Iterator[None]:
     """Hold a row lock on a message from another connection (``SELECT … FOR UPDATE``), as an operator might."""
     m = queue.tables.messages
-    with engine.connect() as conn, conn.begin():
-        found = conn.execute(
-            sa.select(m.c.id).where(m.c.queue == queue.name, m.c.key == key).with_for_update()
-        ).scalar_one_or_none()
-        assert found is not None
+    with backend.engine.connect() as conn:
+        msg_id = conn.execute(sa.select(m.c.id).where(m.c.queue == queue.name, m.c.key == key)).scalar_one()
+    with hold_row_lock(backend.url, m.name, "id = :id", {"id": msg_id}) as rows:
+        assert len(rows) == 1
         yield
 
 
@@ -113,7 +113,7 @@ def test_a_row_lock_on_one_message_does_not_stop_the_heartbeat_of_the_others(
     try:
         with running(worker):
             wait_until(lambda: gate.started == {"a", "b"}, "both handlers to start")
-            with row_locked(backend.engine, q, "a"):
+            with row_locked(backend, q, "a"):
                 for _ in range(4):  # 2.4 visibility timeouts with "a" locked by someone else
                     clock.advance(vt * 0.6)
                     wait_until(lambda: expiry(q, "b") == clock.now() + vt, "b's lock to be extended", limit=5)
@@ -415,7 +415,7 @@ def test_an_ack_skips_a_row_locked_elsewhere_and_acks_it_later(
     try:
         with running(worker):
             wait_until(lambda: gate.started == {"x"}, "the handler to start")
-            with row_locked(backend.engine, q, "x"):
+            with row_locked(backend, q, "x"):
                 gate.release("x")
                 q.offer("y", 2)  # the worker goes on meanwhile: its ack did not wait on x's row lock
                 gate.release("y")
