@@ -281,7 +281,7 @@ def test_an_exhausted_pool_slows_the_worker_down_but_does_not_stop_it(backend: B
 
     def body(d: Delivery, conn: sa.Connection) -> None:
         conn.execute(sa.select(1))
-        time.sleep(0.02)
+        time.sleep(0.3)  # holding the only connection longer than pool_timeout: the others' checkouts time out
         with lock:
             handled[d.key] += 1
 
@@ -299,7 +299,7 @@ def test_an_exhausted_pool_slows_the_worker_down_but_does_not_stop_it(backend: B
         concurrency=3,
         poll_interval=FAST,
     )
-    keys = [f"m{i}" for i in range(12)]
+    keys = [f"m{i}" for i in range(6)]
     try:
         with running(worker):
             DelayedQueue(backend.engine, queue_name).offer_many([(k, 1, None) for k in keys])
