@@ -72,6 +72,8 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
 @click.pass_context
 def main(ctx: click.Context, url: str, prefix: str) -> None:
     """delayq: delayed messages and background jobs in your relational database."""
+    if _unencoded_at(url):
+        raise click.UsageError("the URL's password contains '@': percent-encode it as %40")
     ctx.obj = {"url": url, "prefix": prefix}
 
 
@@ -132,7 +134,7 @@ def _cell(value: Any) -> str:
 def migrate(ctx: click.Context, revision: str, schema: str | None) -> None:
     """Create or upgrade delayq's tables (Alembic's upgrade on delayq's packaged migrations)."""
     url = ctx.obj["url"]
-    shown = sa.engine.make_url(url).render_as_string()
+    shown = shown_url(url)
     migrations.upgrade(url, revision, prefix=ctx.obj["prefix"], schema=schema)
     click.echo(f"delayq tables are at {revision} in {shown}")
 
@@ -200,17 +202,56 @@ def worker(ctx: click.Context, handlers: str, concurrency: int, shutdown_timeout
 
 
 def worker_engine(url: str, concurrency: int) -> sa.Engine:
-    """An engine whose pool fits a worker of ``concurrency`` handlers.
+    """An engine whose pool fits a worker of ``concurrency`` handlers, with network timeouts.
 
     Each handler may hold a connection for its whole run (a transactional one does), and the fetch
     loop, the heartbeat and the listener need one each besides: a smaller pool would make them
     wait on each other. Engines without a queue pool (SQLite in memory) are left as they are.
+    ``NETWORK_TIMEOUTS`` apply unless the URL sets them.
     """
     engine = sa.create_engine(url)
     if not isinstance(engine.pool, sa.pool.QueuePool):
         return engine
     engine.dispose()
-    return sa.create_engine(url, pool_size=concurrency + 3, max_overflow=concurrency)
+    parsed = sa.engine.make_url(url)
+    timeouts = {k: v for k, v in NETWORK_TIMEOUTS.get(parsed.get_backend_name(), {}).items() if k not in parsed.query}
+    return sa.create_engine(url, pool_size=concurrency + 3, max_overflow=concurrency, connect_args=timeouts)
+
+
+NETWORK_TIMEOUTS: dict[str, dict[str, int]] = {
+    # libpq: give up connecting after 10 s; TCP keepalives find a dead peer of an idle connection in
+    # about 25 s, and tcp_user_timeout one that stops acknowledging what was sent after 30 s.
+    "postgresql": {
+        "connect_timeout": 10,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,
+    },
+    # mysqlclient: a statement whose reply does not come in 60 s fails (and is retried by delayq);
+    # set read_timeout in the URL for transactional handlers that run longer statements.
+    "mysql": {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60},
+}
+"""Client-side timeouts of the engines ``delayq worker`` makes, per backend; the URL's query overrides each."""
+
+SECRET_QUERY_KEYS = {"password", "passwd", "pass", "sslpassword", "sslkey_password"}
+
+
+def _unencoded_at(url: str) -> bool:
+    """Whether a password's ``@`` spilled into the host (its tail would appear in errors)."""
+    try:
+        host = sa.engine.make_url(url).host
+    except sa.exc.ArgumentError:
+        return False  # the command reports a bad URL
+    return host is not None and "@" in host
+
+
+def shown_url(url: str) -> str:
+    """The URL as printed: the password, and every query argument that holds one, masked."""
+    parsed = sa.engine.make_url(url)
+    masked = {k: "***" for k in parsed.query if k.lower() in SECRET_QUERY_KEYS}
+    return parsed.update_query_dict(masked).render_as_string(hide_password=True)
 
 
 # -- looking -------------------------------------------------------------------------------------------

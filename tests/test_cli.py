@@ -140,3 +140,18 @@ def test_demo_runs_as_a_process_and_leaves_a_database_to_look_at(tmp_path: Path)
         [*run, "ls", "demo-emails", "--state", "dead"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert "email-7" in listed.stdout and "email-10" in listed.stdout
+
+
+def test_printed_urls_mask_every_password(tmp_path: Path) -> None:
+    from delayq.cli import shown_url
+
+    url = "postgresql+psycopg://u:s3cret@db.example/app?password=q5ecret&sslpassword=k3y&application_name=x"
+    shown = shown_url(url)
+    assert "s3cret" not in shown and "q5ecret" not in shown and "k3y" not in shown
+    assert "application_name=x" in shown
+
+
+def test_a_password_with_an_unencoded_at_is_refused_without_echoing_it() -> None:
+    result = CliRunner().invoke(main, ["--url", "postgresql+psycopg://u:pa@ss@db.example/app", "stats"])
+    assert result.exit_code == 2
+    assert "%40" in result.output and "ss@db" not in result.output
