@@ -19,7 +19,7 @@ from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
 from delayq.transactions import TransientRetry
-from delayq.worker import Worker
+from delayq.worker import Worker, WorkerHealth
 
 __all__ = [
     "BytesSerializer",
@@ -51,4 +51,5 @@ __all__ = [
     "TransientRetry",
     "UnsupportedDatabaseError",
     "Worker",
+    "WorkerHealth",
 ]

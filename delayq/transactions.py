@@ -75,7 +75,7 @@ class Runner:
             return self._retrying(engine, mode, operation)
         conn = caller_connection(using)
         try:
-            self.dialect.verify()
+            dialect_for(conn.engine).verify()
             return operation(conn, self.dialect)
         except DBAPIError as exc:
             self._raise_if_schema_missing(exc)
@@ -112,7 +112,7 @@ class Runner:
         transaction or lock outlives a failed operation (whatever the pool's reset on return).
         """
         with (engine or self.engine).connect() as conn:
-            self.dialect.verify()
+            dialect_for(conn.engine).verify()  # the server this connection reached, not the queue's
             start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.connection.dbapi_connection))
             if start.autocommit:
                 conn.execution_options(isolation_level="AUTOCOMMIT")

@@ -36,6 +36,7 @@ EXPECTED = {
     "TransientRetry",
     "UnsupportedDatabaseError",
     "Worker",
+    "WorkerHealth",
 }
 
 

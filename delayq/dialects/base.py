@@ -79,7 +79,7 @@ class Statements:
     def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
         m, dead = tables.messages, tables.dead_letters
         self._memo: dict[Callable[[Statements], Any], Any] = {}
-        self.dialect = dialect
+        self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         self.tables = tables
         self.notifies = notify
         self.now = now
@@ -259,7 +259,7 @@ class Statements:
 
     def starts_with(self, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
         """See ``Dialect.starts_with``."""
-        return self.dialect.starts_with(column, name)
+        return self.kind.starts_with(column, name)
 
     def memo(self, build: Callable[[Statements], S]) -> S:
         """``build(self)``, made once: a statement of one backend's own over these tables."""
@@ -318,18 +318,20 @@ class Dialect:
         """``column IN`` the list of ids bound as ``:ids``."""
         return column.in_(sa.bindparam("ids", expanding=True))
 
-    def starts_with(self, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
+    @classmethod
+    def starts_with(cls, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
         """``column`` starts with the prefix bound as ``{name}_lo`` / ``{name}_hi`` (see ``prefix_bounds``).
 
         A range, compared byte for byte and served by the (queue, key) index; never LIKE, which
         ignores case on SQLite and needs escaping everywhere.
         """
-        key = self.bytewise(column)
+        key = cls.bytewise(column)
         return sa.and_(
             key >= sa.bindparam(f"{name}_lo", type_=sa.String), key < sa.bindparam(f"{name}_hi", type_=sa.String)
         )
 
-    def bytewise(self, column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+    @staticmethod
+    def bytewise(column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
         """``column`` compared by code point (the key columns are, on SQLite and MySQL/MariaDB)."""
         return column
 

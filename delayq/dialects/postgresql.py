@@ -111,7 +111,8 @@ class PostgresDialect(Dialect):
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.autocommit)
 
-    def bytewise(self, column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+    @staticmethod
+    def bytewise(column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
         # The database's collation may order by language rules (en_US ignores punctuation at first).
         return column.collate("C")
 
