@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from sqlalchemy.engine import Connection
 
 from delayq.messages import Delivery
 from delayq.retry import RetryPolicy
 from delayq.serializers import JsonSerializer, Serializer
+
+if TYPE_CHECKING:
+    from delayq.cron import Schedule
 
 
 class Retry(Exception):
@@ -47,6 +51,9 @@ class Handler:
       of a handler still running. 5 minutes.
     - ``transactional``: when True, ``handle(delivery, conn)`` runs inside the transaction
       that also deletes the message, so its database writes happen exactly once. False.
+    - ``schedules``: recurring messages into this queue (``Schedule.cron(...)``,
+      ``Schedule.daily(...)``, ``Schedule.periodic(...)``), kept installed by every worker that runs
+      this handler; see docs/cron.md. None.
 
     ``handle`` returning normally acks the message. Raising ``Retry(after=...)`` schedules
     another attempt (it counts toward ``retry.max_attempts``); ``DeadLetter(reason)`` gives up at
@@ -60,6 +67,7 @@ class Handler:
     retry: ClassVar[RetryPolicy] = RetryPolicy()
     visibility_timeout: ClassVar[dt.timedelta] = dt.timedelta(minutes=5)
     transactional: ClassVar[bool] = False
+    schedules: ClassVar[Sequence[Schedule]] = ()
 
     def handle(self, delivery: Delivery, conn: Connection | None = None) -> None:
         """Process one delivery; ``conn`` is given to transactional handlers."""

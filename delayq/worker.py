@@ -13,15 +13,17 @@ import functools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType, MappingProxyType
+from types import MappingProxyType
 
 import sqlalchemy as sa
 
 from delayq.clock import Clock
+from delayq.cron import ScheduleRunner, schedules_for
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
@@ -33,6 +35,8 @@ from delayq.threads import DaemonPool
 
 log = logging.getLogger("delayq.worker")
 
+SIGNAL_GRACE = 10.0
+"""Seconds past ``shutdown_timeout`` after a SIGINT/SIGTERM at which the process exits whatever blocks."""
 MIN_IDLE_SLEEP = 0.01
 MAX_ERROR_BACKOFF = 5.0
 HEARTBEAT_TICK = 0.05
@@ -129,6 +133,7 @@ class Worker:
                 max_deliveries=h.retry.max_attempts,
             )
             self._queues[name] = (h, q)
+        self._schedules = ScheduleRunner(self.queues, schedules_for(self.handlers))
         self._channel = next(iter(self._queues.values()))[1].tables.messages.name
         self._listen = listen
         self._leases = Leases(clock)
@@ -145,6 +150,7 @@ class Worker:
         self._retry_at: dict[str, float] = {}  # per queue: no claim before this monotonic time
         self._last_fetch: float | None = None
         self._error: BaseException | None = None
+        self._exit_timer: threading.Timer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -196,6 +202,7 @@ class Worker:
         Unlike ``run()``, a failed claim raises.
         """
         self._pool = DaemonPool(self.concurrency, "delayq-handler")
+        self._schedules.refresh()
         done = 0
         try:
             while True:
@@ -225,6 +232,7 @@ class Worker:
         for name, t in self._loops.items():
             if name != "fetch":
                 t.start()
+        self._schedules.start()  # declared schedules are kept installed where the worker runs
         log.info("worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
         try:
             self._fetch_loop()
@@ -421,6 +429,7 @@ class Worker:
     def _shutdown(self) -> None:
         """Release what never started; wait for running handlers (acking, heartbeats going on);
         after ``shutdown_timeout`` release what still runs."""
+        self._schedules.stop(timeout=5.0)
         self._leases.release(self._leases.cancel_unstarted(), "never started")
         deadline = time.monotonic() + self.shutdown_timeout
         while True:
@@ -454,27 +463,79 @@ class Worker:
             log.warning("could not ack: %s", describe(exc))
 
     def _install_signal_handlers(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM: the first stops the worker (and arms an exit in bounded time), a second exits.
+
+        The signals are taken from a wakeup socket by a thread of their own: Python runs a signal
+        handler only when the main thread returns to the interpreter, and a driver call blocked on a
+        silent network (mysqlclient's read) may never return.
+        """
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.getsignal(s) for s in signals}
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            if self._stopping.is_set():
-                log.warning("second signal: exiting at once")
-                os._exit(128 + signum)
-            log.info("signal %d: stopping (in-flight handlers may finish within %.0fs)", signum, self.shutdown_timeout)
-            self._stopping.set()
-            self._wake.set()
-
+        receive, send = socket.socketpair()
+        send.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
         for s in signals:
-            signal.signal(s, on_signal)
+            signal.signal(s, lambda signum, frame: None)  # the watcher below acts on it
+        stop_watching = threading.Event()
 
-        def restore() -> None:
+        def watch() -> None:
+            receive.settimeout(0.2)
+            count = 0
+            while not stop_watching.is_set():
+                try:
+                    data = receive.recv(16)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                for signum in data:
+                    if signum not in signals:
+                        continue
+                    count += 1
+                    if count > 1:
+                        log.warning("second signal: exiting at once")
+                        logging.shutdown()
+                        os._exit(128 + signum)
+                    self._on_stop_signal(signum)
+
+        watcher = threading.Thread(target=watch, name="delayq-signals", daemon=True)
+        watcher.start()
+
+        def restore() -> None:  # the worker stopped in time: no forced exit
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()
+                self._exit_timer = None
+            stop_watching.set()
+            signal.set_wakeup_fd(previous_fd)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            watcher.join(1)
+            receive.close()
+            send.close()
 
         return restore
+
+    def _on_stop_signal(self, signum: int) -> None:
+        log.info("signal %d: stopping (in-flight handlers may finish within %.0fs)", signum, self.shutdown_timeout)
+        self._stopping.set()
+        self._wake.set()
+        # Whatever blocks (a driver call on a dead network), the process ends in bounded time.
+        limit = self.shutdown_timeout + SIGNAL_GRACE
+        self._exit_timer = threading.Timer(limit, self._exit_now, args=(signum, limit))
+        self._exit_timer.daemon = True
+        self._exit_timer.start()
+
+    @staticmethod
+    def _exit_now(signum: int, after: float) -> None:
+        log.error(
+            "still not stopped %.0fs after signal %d: exiting now; held messages return after their timeout",
+            after,
+            signum,
+        )
+        logging.shutdown()
+        os._exit(128 + signum)
 
     @property
     def queues(self) -> Sequence[DelayedQueue]:

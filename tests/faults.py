@@ -66,6 +66,8 @@ class _Link:
 
     def __init__(self, client: socket.socket, server: socket.socket) -> None:
         self.client, self.server = client, server
+        self.stalled = False
+        """Never forwards again (a peer gone silent for good), until closed."""
         self.cut_by: float | None = None
         """Once a cut matched: when to cut even if the server has not replied."""
         self.closed = False
@@ -145,8 +147,16 @@ class FaultProxy:
             self._flow_at = time.monotonic() + seconds
             self._cond.notify_all()
 
+    def stall_existing(self) -> None:
+        """The current connections go silent for good, open but never forwarding again (as when a NAT or
+        firewall forgets them); new connections work. Only a client-side timeout gets a client out."""
+        with self._cond:
+            for link in self._links:
+                link.stalled = True
+            self._cond.notify_all()
+
     def heal(self) -> None:
-        """Disarm pending cuts and end a black hole."""
+        """Disarm pending cuts and end a black hole (stalled connections stay stalled)."""
         with self._cond:
             self._cuts.clear()
             self._flow_at = 0.0
@@ -220,8 +230,10 @@ class FaultProxy:
         with self._cond:
             while not (self._closed or link.closed):
                 left = self._flow_at - time.monotonic()
-                if left <= 0:
+                if left <= 0 and not link.stalled:
                     return True
+                if link.stalled:
+                    left = TICK
                 self._cond.wait(min(left, TICK))
             return False
 

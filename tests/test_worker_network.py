@@ -1,0 +1,69 @@
+"""A worker behind a network that stops answering: it stops on SIGTERM in bounded time, and (where the
+driver has a read timeout, as ``delayq worker`` sets on MariaDB) it resumes by itself after the heal."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Backend, _backend
+from faults import FaultProxy
+from test_worker import wait_until
+from test_worker_processes import start_worker
+
+from delayq import DelayedQueue
+from delayq.worker import SIGNAL_GRACE
+
+SERVERS = ["postgresql", "mysql"]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_sigterm_stops_a_worker_whose_database_went_silent_in_bounded_time(
+    server: str, backend_urls: dict[str, str], queue_name: str, tmp_path: Path
+) -> None:
+    b = _backend(server, backend_urls)
+    with FaultProxy.for_url(b.url) as proxy:
+        through = Backend(server, proxy.url_for(b.url), b.engine)
+        worker = start_worker(through, queue_name, tmp_path, seconds=0, shutdown_timeout=1)
+        try:
+            DelayedQueue(b.engine, queue_name).offer("before", 1)
+            wait_until(lambda: any(tmp_path.glob("before.*.done")), "the worker handles a message")
+            proxy.black_hole(120)  # every connection, old and new, stops answering
+            time.sleep(1.5)  # the worker is now blocked inside the driver
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=1 + SIGNAL_GRACE + 10)
+        finally:
+            proxy.heal()
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert worker.returncode is not None
+
+
+def test_a_mariadb_worker_gets_past_connections_that_went_silent_for_good(
+    backend_urls: dict[str, str], queue_name: str, tmp_path: Path
+) -> None:
+    """Its open connections stop answering and never will: the driver's read timeout (which ``delayq
+    worker`` sets on MariaDB) fails the stuck statement, the pool drops the dead connections, and work
+    goes on over new ones."""
+    b = _backend("mysql", backend_urls)
+    with FaultProxy.for_url(b.url) as proxy:
+        url = proxy.url_for(b.url) + "?read_timeout=2&write_timeout=2"
+        worker = start_worker(Backend("mysql", url, b.engine), queue_name, tmp_path, seconds=0)
+        try:
+            queue = DelayedQueue(b.engine, queue_name)
+            queue.offer("before", 1)
+            wait_until(lambda: any(tmp_path.glob("before.*.done")), "the worker handles a message")
+            proxy.stall_existing()
+            queue.offer("after", 2)
+            wait_until(lambda: any(tmp_path.glob("after.*.done")), "the worker resumes after the heal", limit=30)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
