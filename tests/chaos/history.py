@@ -175,6 +175,7 @@ def check(events: Iterable[Event], vt: float, stuck_after: float, *, freeze_is_o
         return None
 
     # Overlapping holders: b started while a (an earlier run of the key) still ran.
+    why: str | None
     for key, rs in by_key.items():
         rs.sort(key=lambda x: x.start)
         for i, a in enumerate(rs):
@@ -227,8 +228,8 @@ def check(events: Iterable[Event], vt: float, stuck_after: float, *, freeze_is_o
             continue  # a transactional message's duplicate is an effect: counted above
         for first, later in itertools.pairwise(completions):
             assert first.end is not None
-            if any(first.end <= d <= later.start for d in [deaths.get(first.pid, math.inf)]):
-                why: str | None = "killed"
+            if first.end <= deaths.get(first.pid, math.inf) <= later.start:
+                why = "killed"
             elif any(t > first.end for t in offers[key]):
                 why = "reoffered"
             else:

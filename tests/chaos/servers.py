@@ -259,8 +259,9 @@ if __name__ == "__main__":  # a smoke test: start, restart both ways, close
         srv = start_server(b)
         try:
             print(b, srv.url, f"up in {time.monotonic() - t:.1f}s", os.getpid())
-            for m in ("fast", "immediate"):
-                a, z = srv.restart(m)  # type: ignore[arg-type]
+            modes: tuple[Mode, ...] = ("fast", "immediate")
+            for m in modes:
+                a, z = srv.restart(m)
                 print(" restart", m, f"{z - a:.1f}s")
         finally:
             srv.close()
