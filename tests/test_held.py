@@ -110,3 +110,24 @@ def test_an_open_claim_on_mariadb_locks_no_row_it_did_not_claim(backend_urls: di
     finally:
         frozen.rollback()
         frozen.close()
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_claim_takes_the_next_due_message_when_the_first_is_locked_elsewhere(
+    server: str, backend_urls: dict[str, str], queue_name: str
+) -> None:
+    """Not an empty poll while messages are due (MariaDB reads the due ids without locks first)."""
+    from conftest import _backend
+
+    b = _backend(server, backend_urls)
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    q = DelayedQueue(b.engine, queue_name, clock=clock, visibility_timeout=MINUTE)
+    q.offer_many([(f"k{i}", i, None) for i in range(3)])
+    first = q.get("k0")
+    assert first is not None
+    m = metadata.tables["delayq_messages"]
+    with b.engine.connect() as conn:
+        first_id = conn.execute(sa.select(m.c.id).where(m.c.queue == queue_name, m.c.key == "k0")).scalar_one()
+    with row_locked(b.engine, first_id):
+        got = q.try_poll()
+        assert got is not None and got.key == "k1"

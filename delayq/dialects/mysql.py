@@ -139,11 +139,20 @@ class MySQLDialect(Dialect):
         # another queue, which other claims then skip for as long as this transaction is open. So
         # the range is read without locks, and only the picked rows are locked, by primary key
         # (point locks, no gap or next-record lock), skipping those another claim took meanwhile.
-        ids = list(conn.execute(stmts.memo(_due_ids), params).scalars())
-        if not ids:
-            return []
-        rows = conn.execute(stmts.memo(_lock_due_by_id), {**params, "ids": ids}).all()
-        return self.mark_claimed(conn, stmts, params, sorted(rows, key=lambda r: (r.scheduled_at, r.id)), visibility_ms)
+        # Consumers that read the same first ids race for them; a loser reads on past those ids
+        # (a few times at most) rather than reporting an empty queue while messages are due.
+        taken: list[int] = []
+        for _ in range(CLAIM_READS):
+            due = stmts.memo(_due_ids_past) if taken else stmts.memo(_due_ids)
+            ids: list[int] = list(conn.execute(due, {**params, "taken": taken}).scalars())
+            if not ids:
+                return []
+            rows = conn.execute(stmts.memo(_lock_due_by_id), {**params, "ids": ids}).all()
+            if rows:
+                ordered = sorted(rows, key=lambda r: (r.scheduled_at, r.id))
+                return self.mark_claimed(conn, stmts, params, ordered, visibility_ms)
+            taken += ids
+        return []
 
     def _insert_rows(self, conn: Connection, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
         """Insert the rows in one statement; False, inserting none, when a key exists."""
@@ -156,7 +165,7 @@ class MySQLDialect(Dialect):
         return True
 
 
-def _due_ids(stmts: Statements) -> sa.Select[tuple[int]]:
+def _due_ids(stmts: Statements) -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name``, read without locks."""
     m = stmts.tables.messages
     return (
@@ -165,6 +174,11 @@ def _due_ids(stmts: Statements) -> sa.Select[tuple[int]]:
         .order_by(m.c.scheduled_at, m.c.id)
         .limit(claim_limit())
     )
+
+
+def _due_ids_past(stmts: Statements) -> sa.Select[Any]:
+    """``_due_ids`` leaving out ``:taken``, the ids other claims locked first."""
+    return _due_ids(stmts).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
 
 
 def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:
@@ -186,6 +200,9 @@ def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:
         .with_for_update(skip_locked=True)
     )
 
+
+CLAIM_READS = 4
+"""How many times a claim reads due ids when every one it read was taken by another claim meanwhile."""
 
 MAX_STATEMENT_BYTES = 4 * 1024 * 1024
 """Payload bytes per multi-row INSERT: well under the server's max_allowed_packet (16 MiB by default)."""
