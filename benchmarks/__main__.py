@@ -386,8 +386,11 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         print_row(figure)
 
     measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
-    if backend != "sqlite":  # an engine whose connections commit each statement: no COMMIT round trip
-        autocommit = sa.create_engine(URLS[backend], pool_size=10, isolation_level="AUTOCOMMIT")
+    if backend != "sqlite":  # an engine whose connections commit each statement: no COMMIT round trip,
+        # and no ROLLBACK when a connection returns to the pool (docs/performance.md, "Tuning")
+        autocommit = sa.create_engine(
+            URLS[backend], pool_size=10, isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True
+        )
         q_auto = DelayedQueue(autocommit, "bench", table_prefix=PREFIX)
         measure("offer (one per call), engine in autocommit", lambda: offer_single(engine, q_auto, sizes.single))
         measure(
