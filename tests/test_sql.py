@@ -10,6 +10,8 @@ from conftest import Backend
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from delayq.dialects import Dialect, dialect_class
+from delayq.dialects.base import claim_candidates
+from delayq.dialects.mysql import _due_ids, _lock_due_by_id
 from delayq.dialects.postgresql import _claim_statement
 from delayq.schema import make_tables
 
@@ -25,7 +27,13 @@ def sql(name: str, pick: str) -> str:
     sa_dialect = SA_DIALECTS[name]
     dialect: Dialect = dialect_class(name)(sa_dialect)
     stmts = dialect.statements(make_tables(), False, True)  # as DelayedQueue makes them: notify on
-    stmt = stmts.memo(_claim_statement) if (name, pick) == ("postgresql", "claim") else getattr(stmts, pick)
+    built = {"claim": _claim_statement, "claim_candidates": claim_candidates, "due_ids": _due_ids}
+    if pick in built:
+        stmt = stmts.memo(built[pick], 10)
+    elif pick == "lock_due_by_id":
+        stmt = stmts.memo(_lock_due_by_id)
+    else:
+        stmt = getattr(stmts, pick)
     text = str(stmt.compile(dialect=sa_dialect)).replace(NOW[name], "<now>")
     return re.sub(r"\s+", " ", text).strip()
 
@@ -45,7 +53,7 @@ EXPECTED = {
             "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id, delayq_messages.scheduled_at AS "
             "scheduled_at FROM delayq_messages WHERE delayq_messages.queue = %(queue_name)s::VARCHAR AND "
             "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
-            "LIMIT __[POSTCOMPILE_limit] FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> "
+            "LIMIT 10 FOR UPDATE SKIP LOCKED) UPDATE delayq_messages SET scheduled_at=(<now> "
             "+ %(visibility)s::BIGINT), lock_token=%(token)s::VARCHAR, attempts=(delayq_messages.attempts + "
             "%(attempts_1)s::INTEGER) FROM picked WHERE delayq_messages.id = picked.id RETURNING "
             "delayq_messages.id, delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, "
@@ -63,12 +71,17 @@ EXPECTED = {
             "scheduled_at_initially, created_at, attempts) VALUES (%s, %s, %s, %s, coalesce(%s, <now> + %s), "
             "coalesce(%s, <now> + %s), <now>, %s)"
         ),
-        "claim_candidates": (
+        "due_ids": (
+            "SELECT delayq_messages.id FROM delayq_messages WHERE delayq_messages.queue = %s AND "
+            "delayq_messages.scheduled_at <= <now> ORDER BY delayq_messages.scheduled_at, delayq_messages.id "
+            "LIMIT 10"
+        ),
+        "lock_due_by_id": (
             "SELECT delayq_messages.id, delayq_messages.`key`, delayq_messages.payload, "
             "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, <now> AS now FROM "
-            "delayq_messages WHERE delayq_messages.queue = %s AND delayq_messages.scheduled_at <= <now> ORDER"
-            " BY delayq_messages.scheduled_at, delayq_messages.id LIMIT __[POSTCOMPILE_limit] FOR UPDATE SKIP LOCKED"
+            "delayq_messages WHERE delayq_messages.id IN (__[POSTCOMPILE_ids]) AND delayq_messages.scheduled_at"
+            " <= <now> FOR UPDATE SKIP LOCKED"
         ),
         "mark_claimed": (
             "UPDATE delayq_messages SET scheduled_at=%s, lock_token=%s, attempts=(delayq_messages.attempts + "
@@ -90,7 +103,7 @@ EXPECTED = {
             "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, <now> AS now FROM "
             "delayq_messages WHERE delayq_messages.queue = ? AND delayq_messages.scheduled_at <= <now> ORDER "
-            "BY delayq_messages.scheduled_at, delayq_messages.id LIMIT __[POSTCOMPILE_limit] OFFSET ?"
+            "BY delayq_messages.scheduled_at, delayq_messages.id LIMIT 10 OFFSET ?"
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
@@ -123,7 +136,7 @@ def test_the_postgres_claim_uses_the_due_index_on_a_large_table(postgres: Backen
             " FROM generate_series(1, 100000) AS g"
         )
         conn.exec_driver_sql(f"ANALYZE {prefix}messages")
-        compiled = stmts.memo(_claim_statement).compile(dialect=conn.dialect)
+        compiled = stmts.memo(_claim_statement, 10).compile(dialect=conn.dialect)
         expanded = compiled.construct_expanded_state(
             {"queue_name": "explain-3", "limit": 10, "token": "t", "visibility": 1}
         )

@@ -59,14 +59,15 @@ class OwnedStart:
     commit: bool = True
 
 
-def claim_limit() -> sa.BindParameter[int]:
-    """The claim's ``LIMIT :limit``, written into the SQL text at execution.
+def claim_limit(n: int) -> sa.ColumnElement[int]:
+    """The claim's ``LIMIT n``, written into the SQL text: one statement per batch size.
 
-    A bound LIMIT leaves the planner guessing how many rows come back: PostgreSQL's generic
-    plan for a prepared claim then hash-joins the whole table instead of fetching the few
-    picked rows by primary key. A literal costs one prepared statement per batch size.
+    A bound LIMIT leaves the planner guessing how many rows come back: PostgreSQL's generic plan
+    for a prepared claim then hash-joins the whole table instead of fetching the few picked rows
+    by primary key. Written as a literal it also needs no rendering at each execution (as
+    ``literal_execute`` would); each distinct size is built, cached and prepared once.
     """
-    return sa.bindparam("limit", type_=sa.Integer, literal_execute=True)
+    return sa.literal_column(str(int(n)), sa.Integer)
 
 
 class Statements:
@@ -78,7 +79,7 @@ class Statements:
 
     def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
         m, dead = tables.messages, tables.dead_letters
-        self._memo: dict[Callable[[Statements], Any], Any] = {}
+        self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         self.tables = tables
         self.notifies = notify
@@ -132,23 +133,6 @@ class Statements:
                 attempts=0,
                 last_error=None,
             )
-        )
-        self.claim_candidates = (
-            sa.select(
-                m.c.id,
-                m.c.key,
-                m.c.payload,
-                m.c.payload_type,
-                m.c.scheduled_at,
-                m.c.attempts,
-                m.c.created_at,
-                m.c.scheduled_at_initially,
-                now.label("now"),
-            )
-            .where(m.c.queue == queue, m.c.scheduled_at <= now)
-            .order_by(m.c.scheduled_at, m.c.id)
-            .limit(claim_limit())
-            .with_for_update(skip_locked=True)
         )
         self.mark_claimed = (
             sa.update(m)
@@ -261,11 +245,12 @@ class Statements:
         """See ``Dialect.starts_with``."""
         return self.kind.starts_with(column, name)
 
-    def memo(self, build: Callable[[Statements], S]) -> S:
-        """``build(self)``, made once: a statement of one backend's own over these tables."""
-        found = self._memo.get(build)
+    def memo(self, build: Callable[..., S], *args: Any) -> S:
+        """``build(self, *args)``, made once: a statement of one backend's own over these tables
+        (``args``: a batch size, say)."""
+        found = self._memo.get((build, args))
         if found is None:
-            found = self._memo[build] = build(self)
+            found = self._memo[build, args] = build(self, *args)
         return cast(S, found)
 
 
@@ -412,7 +397,8 @@ class Dialect:
         The shared shape: SELECT the due rows FOR UPDATE SKIP LOCKED (with "now"), then one
         UPDATE by id, in the same transaction.
         """
-        return self.mark_claimed(conn, stmts, params, conn.execute(stmts.claim_candidates, params).all(), visibility_ms)
+        candidates = stmts.memo(claim_candidates, params["limit"])
+        return self.mark_claimed(conn, stmts, params, conn.execute(candidates, params).all(), visibility_ms)
 
     def mark_claimed(
         self, conn: Connection, stmts: Statements, params: Mapping[str, Any], rows: Sequence[Any], visibility_ms: int
@@ -463,6 +449,28 @@ class Dialect:
         if not ids:
             return 0
         return int(conn.execute(stmts.delete_ids, {"ids": ids}).rowcount)
+
+
+def claim_candidates(stmts: Statements, limit: int) -> sa.Select[Any]:
+    """The first ``limit`` due messages of ``:queue_name``, with "now", FOR UPDATE SKIP LOCKED."""
+    m = stmts.tables.messages
+    return (
+        sa.select(
+            m.c.id,
+            m.c.key,
+            m.c.payload,
+            m.c.payload_type,
+            m.c.scheduled_at,
+            m.c.attempts,
+            m.c.created_at,
+            m.c.scheduled_at_initially,
+            stmts.now.label("now"),
+        )
+        .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        .order_by(m.c.scheduled_at, m.c.id)
+        .limit(claim_limit(limit))
+        .with_for_update(skip_locked=True)
+    )
 
 
 ROW_COLUMNS = (

@@ -143,7 +143,7 @@ class MySQLDialect(Dialect):
         # (a few times at most) rather than reporting an empty queue while messages are due.
         taken: list[int] = []
         for _ in range(CLAIM_READS):
-            due = stmts.memo(_due_ids_past) if taken else stmts.memo(_due_ids)
+            due = stmts.memo(_due_ids_past, params["limit"]) if taken else stmts.memo(_due_ids, params["limit"])
             ids: list[int] = list(conn.execute(due, {**params, "taken": taken}).scalars())
             if not ids:
                 return []
@@ -165,20 +165,20 @@ class MySQLDialect(Dialect):
         return True
 
 
-def _due_ids(stmts: Statements) -> sa.Select[Any]:
+def _due_ids(stmts: Statements, limit: int) -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name``, read without locks."""
     m = stmts.tables.messages
     return (
         sa.select(m.c.id)
         .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
         .order_by(m.c.scheduled_at, m.c.id)
-        .limit(claim_limit())
+        .limit(claim_limit(limit))
     )
 
 
-def _due_ids_past(stmts: Statements) -> sa.Select[Any]:
+def _due_ids_past(stmts: Statements, limit: int) -> sa.Select[Any]:
     """``_due_ids`` leaving out ``:taken``, the ids other claims locked first."""
-    return _due_ids(stmts).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
+    return _due_ids(stmts, limit).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
 
 
 def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:

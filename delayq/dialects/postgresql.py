@@ -158,7 +158,9 @@ class PostgresDialect(Dialect):
         # One statement: the MATERIALIZED CTE picks and locks the ids exactly once. The plainer
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row
         # by a nested-loop plan and then claims more than n rows.
-        rows = conn.execute(stmts.memo(_claim_statement), {**params, "visibility": visibility_ms}).all()
+        rows = conn.execute(
+            stmts.memo(_claim_statement, params["limit"]), {**params, "visibility": visibility_ms}
+        ).all()
         claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: (r.due_at, r.id))
         return claimed
@@ -190,13 +192,13 @@ def _delete_held_statement(stmts: Statements) -> sa.Delete:
     return sa.delete(m).where(m.c.id == picked.c.id)
 
 
-def _claim_statement(stmts: Statements) -> sa.Update:
+def _claim_statement(stmts: Statements, limit: int) -> sa.Update:
     m = stmts.tables.messages
     picked = (
         sa.select(m.c.id, m.c.scheduled_at)
         .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
         .order_by(m.c.scheduled_at, m.c.id)
-        .limit(claim_limit())
+        .limit(claim_limit(limit))
         .with_for_update(skip_locked=True)
         .cte("picked")
         .prefix_with("MATERIALIZED")
