@@ -177,6 +177,11 @@ class Workers:
         self.expected: set[int] = set()
         """Pids we killed or stopped on purpose."""
         self.crashed: list[str] = []
+        self.refused: list[str] = []
+        """Replacements that exited 2 at start because the database could not be reached (a restart was
+        under way): ``delayq worker`` checks the database first, by design; the harness starts another,
+        as a supervisor would."""
+        self.logs: dict[int, Path] = {}
         self.lock = threading.Lock()
 
     def start(self, slot: int) -> subprocess.Popen[bytes]:
@@ -187,13 +192,15 @@ class Workers:
             "CHAOS_VT": str(self.vt),
             "CHAOS_HISTORY": str(self.work / "history"),
         }
-        log = (self.work / "logs" / f"worker-{slot}-{time.monotonic():.3f}.log").open("wb")
+        path = self.work / "logs" / f"worker-{slot}-{time.monotonic():.3f}.log"
+        log = path.open("wb")
         cmd = [sys.executable, "-m", "delayq.cli", "--url", self.url, "worker", "chaos.app:handlers"]
         cmd += ["--concurrency", str(self.concurrency), "--shutdown-timeout", "10"]
         proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         with self.lock:
             self.procs[slot] = proc
+            self.logs[proc.pid] = path
         self.rec.write({"ev": "worker_start", "slot": slot, "pid": proc.pid})
         return proc
 
@@ -227,7 +234,12 @@ class Workers:
         with self.lock:
             gone = [(s, p) for s, p in self.procs.items() if p.poll() is not None and p.pid not in self.expected]
         for slot, proc in gone:
-            self.crashed.append(f"worker pid {proc.pid} (slot {slot}) exited {proc.returncode}")
+            what = f"worker pid {proc.pid} (slot {slot}) exited {proc.returncode}"
+            output = self.logs[proc.pid].read_text(errors="replace")
+            if proc.returncode == 2 and "Error: cannot use the database" in output and "worker started" not in output:
+                self.refused.append(f"{what}: {output.strip()[:200]}")
+            else:
+                self.crashed.append(what)
             self.rec.write({"ev": "worker_exit", "slot": slot, "pid": proc.pid, "rc": proc.returncode})
             with self.lock:
                 self.expected.add(proc.pid)
@@ -263,6 +275,7 @@ class Result:
     report: Report
     proxy_cuts: int
     crashed: list[str]
+    refused: list[str]
     work: Path | None
 
     @property
@@ -341,6 +354,7 @@ def run(
             report,
             proxy.stats.cuts if proxy is not None else 0,
             workers.crashed,
+            workers.refused,
             None,
         )
         ok = result.ok
@@ -355,6 +369,8 @@ def run(
             with contextlib.suppress(Exception):
                 proxy.close()
         if server is not None:
+            with contextlib.suppress(OSError):  # the server's log goes with the history
+                shutil.copy(server.dir / "server.log", work / "logs" / "server.log")
             server.close()
         rec.close()
         if ok and not keep:
@@ -500,7 +516,7 @@ COLUMNS = [
     "lost",
     "stuck",
     "dead",
-    "crashes",
+    "crashes (refused starts)",
     "seconds",
     "verdict",
 ]
@@ -527,7 +543,7 @@ def row(r: Result) -> list[str]:
         str(len(rep.lost)),
         str(len(rep.stuck)),
         str(len(rep.dead)),
-        str(len(r.crashed)),
+        f"{len(r.crashed)} ({len(r.refused)})",
         f"{r.seconds:.0f}",
         "PASS" if r.ok else "FAIL",
     ]
