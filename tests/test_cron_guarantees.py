@@ -22,7 +22,10 @@ from click.testing import CliRunner
 from conftest import START, Backend
 from test_concurrency import run_together
 
-import delayq.cron
+import delayq.cron.schedule
+import delayq.cron.service
+import delayq.cron.store
+import delayq.cron.views
 from delayq import CronService, DelayedQueue, Handler, ManualClock
 from delayq.cli import main
 from delayq.clock import to_ms
@@ -62,7 +65,7 @@ def skew_installer(monkeypatch: pytest.MonkeyPatch, now: Callable[[], dt.datetim
     """Make the installing process's own notion of time ``offset`` off ``now()`` (the database's).
 
     Both places a process keeps its time: the service's clock as cron read it before issue 13
-    (``CronService._now``), and the wall clock ``datetime.now`` as delayq.cron sees it.
+    (``CronService._now``), and the wall clock ``datetime.now`` as every module of delayq.cron sees it.
     """
 
     class Skewed(dt.datetime):
@@ -71,7 +74,9 @@ def skew_installer(monkeypatch: pytest.MonkeyPatch, now: Callable[[], dt.datetim
             return now() + offset  # type: ignore[return-value]
 
     monkeypatch.setattr(CronService, "_now", lambda self: now() + offset, raising=False)
-    monkeypatch.setattr(delayq.cron, "dt", types.SimpleNamespace(**{**vars(dt), "datetime": Skewed}))
+    skewed = types.SimpleNamespace(**{**vars(dt), "datetime": Skewed})
+    for module in (delayq.cron.schedule, delayq.cron.store, delayq.cron.service, delayq.cron.views):
+        monkeypatch.setattr(module, "dt", skewed)
 
 
 # -- row 1: runs come from the database's clock -----------------------------------------------------------
