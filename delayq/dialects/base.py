@@ -451,21 +451,27 @@ class Dialect:
         return int(conn.execute(stmts.delete_ids, {"ids": ids}).rowcount)
 
 
+def candidate_rows(stmts: Statements) -> sa.Select[Any]:
+    """SELECT what ``Dialect.mark_claimed`` needs of a message about to be claimed, and "now"."""
+    m = stmts.tables.messages
+    return sa.select(
+        m.c.id,
+        m.c.key,
+        m.c.payload,
+        m.c.payload_type,
+        m.c.scheduled_at,
+        m.c.attempts,
+        m.c.created_at,
+        m.c.scheduled_at_initially,
+        stmts.now.label("now"),
+    )
+
+
 def claim_candidates(stmts: Statements, limit: int) -> sa.Select[Any]:
     """The first ``limit`` due messages of ``:queue_name``, with "now", FOR UPDATE SKIP LOCKED."""
     m = stmts.tables.messages
     return (
-        sa.select(
-            m.c.id,
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at,
-            m.c.attempts,
-            m.c.created_at,
-            m.c.scheduled_at_initially,
-            stmts.now.label("now"),
-        )
+        candidate_rows(stmts)
         .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
         .order_by(m.c.scheduled_at, m.c.id)
         .limit(claim_limit(limit))

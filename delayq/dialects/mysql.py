@@ -21,6 +21,7 @@ from delayq.dialects.base import (
     Mode,
     OwnedStart,
     Statements,
+    candidate_rows,
     claim_limit,
     row_values,
     values_insert,
@@ -185,17 +186,7 @@ def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:
     """The messages ``:ids`` that are still due, locked by primary key, skipping those locked elsewhere."""
     m = stmts.tables.messages
     return (
-        sa.select(
-            m.c.id,
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at,
-            m.c.attempts,
-            m.c.created_at,
-            m.c.scheduled_at_initially,
-            stmts.now.label("now"),
-        )
+        candidate_rows(stmts)
         .where(m.c.id.in_(sa.bindparam("ids", expanding=True)), m.c.scheduled_at <= stmts.now)
         .with_for_update(skip_locked=True)
     )
