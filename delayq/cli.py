@@ -174,7 +174,7 @@ def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     "--shutdown-timeout",
     default=30.0,
     show_default=True,
-    type=float,
+    type=click.FloatRange(min=0, max=86_400),
     help="Seconds in-flight handlers may run on after SIGINT/SIGTERM.",
 )
 @click.option("--log-level", default="INFO", show_default=True)
@@ -364,7 +364,10 @@ def parse_duration(text: str) -> dt.timedelta:
     parts = DURATION.findall(text.replace(" ", ""))
     if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
         raise Fail(f"bad duration {text!r}: use e.g. 90s, 5m, 1h30m, 2d")
-    return sum((dt.timedelta(**{UNITS[u]: float(n)}) for n, u in parts), dt.timedelta())
+    try:
+        return sum((dt.timedelta(**{UNITS[u]: float(n)}) for n, u in parts), dt.timedelta())
+    except OverflowError:
+        raise Fail(f"duration {text!r} is out of range: at most 100 years") from None
 
 
 def parse_time(text: str) -> dt.datetime:

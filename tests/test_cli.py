@@ -155,3 +155,16 @@ def test_a_password_with_an_unencoded_at_is_refused_without_echoing_it() -> None
     result = CliRunner().invoke(main, ["--url", "postgresql+psycopg://u:pa@ss@db.example/app", "stats"])
     assert result.exit_code == 2
     assert "%40" in result.output and "ss@db" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker", "worker_app:handlers", "--shutdown-timeout", "-5"],
+        ["reschedule", "q", "k", "--in", "99999999999d"],
+    ],
+)
+def test_out_of_range_options_get_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["--url", f"sqlite:///{tmp_path / 'x.db'}", *args])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
