@@ -32,6 +32,7 @@ from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool
+from delayq.watchdog import Watchdog
 
 log = logging.getLogger("delayq.worker")
 
@@ -87,6 +88,10 @@ class Worker:
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
+        stall_timeout: a database call of the fetch loop or the heartbeat that has not returned after
+            this long is taken for a connection gone silent, which is dropped (see
+            ``delayq.watchdog``; psycopg only, mysqlclient relies on its read timeout). 60 seconds;
+            None turns the watchdog off.
 
     Each handler's queue caps deliveries at ``handler.retry.max_attempts``: a message whose
     handler never reaches an outcome (its process dies every time) goes to the dead letters.
@@ -104,6 +109,7 @@ class Worker:
         table_prefix: str = DEFAULT_PREFIX,
         schema: str | None = None,
         listen: bool = True,
+        stall_timeout: dt.timedelta | None = dt.timedelta(seconds=60),
     ) -> None:
         if concurrency < 1:
             raise InvalidInputError("concurrency must be at least 1")
@@ -151,6 +157,7 @@ class Worker:
         self._last_fetch: float | None = None
         self._error: BaseException | None = None
         self._exit_timer: threading.Timer | None = None
+        self._stall_timeout = None if stall_timeout is None else stall_timeout.total_seconds()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -233,6 +240,11 @@ class Worker:
             if name != "fetch":
                 t.start()
         self._schedules.start()  # declared schedules are kept installed where the worker runs
+        watchdog = None
+        if self._stall_timeout is not None:
+            loops = [self._loops["fetch"], self._loops["heartbeat"]]
+            watchdog = Watchdog(self.engine, self._stall_timeout, lambda: {t.ident for t in loops if t.ident})
+            watchdog.start()
         log.info("worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
         try:
             self._fetch_loop()
@@ -243,6 +255,8 @@ class Worker:
             try:
                 self._shutdown()
             finally:
+                if watchdog is not None:
+                    watchdog.stop()
                 self._stopped.set()
 
     def _fetch_loop(self) -> None:

@@ -3,18 +3,19 @@ driver has a read timeout, as ``delayq worker`` sets on MariaDB) it resumes by i
 
 from __future__ import annotations
 
+import datetime as dt
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Backend, _backend
+from conftest import Backend, _backend, make_engine
 from faults import FaultProxy
 from test_worker import wait_until
 from test_worker_processes import start_worker
 
-from delayq import DelayedQueue
+from delayq import DelayedQueue, Delivery, Handler, Worker
 from delayq.worker import SIGNAL_GRACE
 
 SERVERS = ["postgresql", "mysql"]
@@ -67,3 +68,41 @@ def test_a_mariadb_worker_gets_past_connections_that_went_silent_for_good(
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_worker_whose_connections_went_silent_for_good_resumes_on_new_ones(
+    server: str, backend_urls: dict[str, str], queue_name: str
+) -> None:
+    """In process, so the watchdog's deadline can be short: PostgreSQL by the watchdog dropping the stuck
+    socket, MariaDB by the read timeout (both set here as ``delayq worker`` sets them, only shorter)."""
+    b = _backend(server, backend_urls)
+    handled: list[str] = []
+
+    class Record(Handler):
+        queue = queue_name
+
+        def handle(self, delivery: Delivery, conn: object = None) -> None:
+            handled.append(delivery.key)
+
+    with FaultProxy.for_url(b.url) as proxy:
+        url = proxy.url_for(b.url) + ("?read_timeout=2&write_timeout=2" if server == "mysql" else "")
+        engine = make_engine(url, pool_size=6, max_overflow=2)
+        worker = Worker(
+            engine,
+            [Record],
+            listen=False,
+            poll_interval=dt.timedelta(seconds=0.2),
+            stall_timeout=dt.timedelta(seconds=2),
+        )
+        worker.start()
+        try:
+            queue = DelayedQueue(b.engine, queue_name)
+            queue.offer("before", 1)
+            wait_until(lambda: "before" in handled, "the worker handles a message")
+            proxy.stall_existing()
+            queue.offer("after", 2)
+            wait_until(lambda: "after" in handled, "the worker resumes on new connections", limit=30)
+        finally:
+            worker.stop(10)
+            engine.dispose()

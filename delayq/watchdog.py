@@ -1,0 +1,96 @@
+"""Watchdog: a worker loop stuck in a database call on a connection that went silent gets it dropped.
+
+A connection whose peer vanished without a word (a NAT or firewall that forgot it, a host that
+died) can leave a driver waiting for a reply forever: psycopg has no read timeout, and TCP keepalives
+only speak up on an idle socket. The watchdog follows the connections the worker's own loops check
+out of the engine's pool (pool ``checkout`` / ``checkin`` events); one held past ``stall_after`` has
+its socket shut down, which fails the stuck call as a lost connection: SQLAlchemy invalidates it and
+delayq retries on a new one. Drivers without a socket to shut down (mysqlclient) rely on their read
+timeout instead, which ``delayq worker`` sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+log = logging.getLogger("delayq.worker")
+
+
+class Watchdog:
+    """Drops the connection of a watched thread that has held it longer than ``stall_after`` seconds."""
+
+    def __init__(self, engine: sa.Engine, stall_after: float, watched: Callable[[], set[int]]) -> None:
+        self.engine = engine
+        self.stall_after = stall_after
+        self._watched = watched  # the idents of the threads whose calls must not hang
+        self._held: dict[int, tuple[Any, int, float]] = {}  # id(dbapi connection) -> (it, thread, since)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        """Connections dropped so far."""
+
+    def start(self) -> None:
+        sa.event.listen(self.engine, "checkout", self._on_checkout)
+        sa.event.listen(self.engine, "checkin", self._on_checkin)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="delayq-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        with contextlib.suppress(sa.exc.InvalidRequestError):
+            sa.event.remove(self.engine, "checkout", self._on_checkout)
+            sa.event.remove(self.engine, "checkin", self._on_checkin)
+
+    def _on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        with self._lock:
+            self._held[id(dbapi_connection)] = (dbapi_connection, threading.get_ident(), time.monotonic())
+
+    def _on_checkin(self, dbapi_connection: Any, record: Any) -> None:
+        with self._lock:
+            self._held.pop(id(dbapi_connection), None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(1.0, self.stall_after / 4)):
+            try:
+                self.check()
+            except Exception as exc:  # the watchdog must not die of what it watches
+                log.warning("watchdog: %s", exc)
+
+    def check(self) -> None:
+        """Drop the connections watched threads have held past ``stall_after``."""
+        watched, now = self._watched(), time.monotonic()
+        with self._lock:
+            stuck = [(conn, since) for conn, ident, since in self._held.values() if ident in watched]
+        for conn, since in stuck:
+            if now - since > self.stall_after and _shut_down(conn):
+                self.dropped += 1
+                log.warning("a database call has not returned in %.0fs: dropping its connection", now - since)
+                with self._lock:
+                    self._held.pop(id(conn), None)
+
+
+def _shut_down(dbapi_connection: Any) -> bool:
+    """Shut the connection's socket down under the driver (a blocked read then fails); False without one."""
+    fileno = getattr(dbapi_connection, "fileno", None)
+    if fileno is None:
+        return False
+    try:
+        fd = os.dup(fileno())
+    except Exception:  # closed already, or no socket: nothing to shut down
+        return False
+    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    return True
