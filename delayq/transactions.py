@@ -28,7 +28,6 @@ from delayq.schema import Tables
 
 log = logging.getLogger("delayq")
 T = TypeVar("T")
-C = TypeVar("C")
 Using = Engine | Connection | Session | None
 Operation = Callable[[Connection, Dialect], T]
 
