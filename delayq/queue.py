@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
@@ -604,7 +605,14 @@ class DelayedQueue:
             deliveries.append(delivery)
         if dead:
             log.warning("%s: %d claimed message(s) moved to the dead letters: %s", self.name, len(dead), dead[0][2])
-            self._dead_letter_held(dead, using)
+            try:
+                self._dead_letter_held(dead, using)
+            except DBAPIError as exc:
+                if using is not None and not isinstance(using, Engine):
+                    raise  # the caller's transaction: theirs to handle
+                # The good rows are delivered all the same; these stay locked and come back after
+                # the visibility timeout, to be dead-lettered by that claim.
+                log.warning("%s: could not move them now (%s)", self.name, type(exc.orig).__name__)
         return deliveries
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
