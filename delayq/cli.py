@@ -64,7 +64,34 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-@click.group()
+class AnywhereOptions(click.Group):
+    """A group whose own options (``--url``, ``--prefix``) may also follow the subcommand:
+    ``delayq migrate --url URL`` works as ``delayq --url URL migrate`` does."""
+
+    moved = ("--url", "--prefix")
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        front: list[str] = []
+        rest: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                rest += args[i:]
+                break
+            if arg in self.moved and i + 1 < len(args):
+                front += args[i : i + 2]
+                i += 2
+                continue
+            if arg.split("=", 1)[0] in self.moved and "=" in arg:
+                front.append(arg)
+            else:
+                rest.append(arg)
+            i += 1
+        return super().parse_args(ctx, front + rest)
+
+
+@click.group(cls=AnywhereOptions)
 @click.option(
     "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
 )

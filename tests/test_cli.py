@@ -168,3 +168,12 @@ def test_out_of_range_options_get_one_line_and_exit_2(args: list[str], tmp_path:
     result = CliRunner().invoke(main, ["--url", f"sqlite:///{tmp_path / 'x.db'}", *args])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
+
+
+def test_url_and_prefix_may_follow_the_subcommand_as_the_docs_write_them(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'after.db'}"
+    result = CliRunner().invoke(main, ["migrate", "--url", url])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "after.db").exists()
+    result = CliRunner().invoke(main, ["stats", f"--url={url}", "--json"])
+    assert result.exit_code == 0, result.output
