@@ -50,10 +50,13 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
             return command(*args, **kwargs)
         except DelayqError as exc:
             raise Fail(str(exc)) from None
+        except sa.exc.NoSuchModuleError as exc:
+            hint = ""
+            if "postgres" in str(exc) and "postgresql" not in str(exc):
+                hint = " (write postgresql+psycopg://..., not postgres://...)"
+            raise Fail(f"unsupported database URL: {exc}{hint}") from None
         except sa.exc.ArgumentError as exc:
             raise Fail(f"bad database URL: {exc}") from None
-        except sa.exc.NoSuchModuleError as exc:
-            raise Fail(f"unsupported database URL: {exc}") from None
         except sa.exc.OperationalError as exc:
             raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
         except ModuleNotFoundError as exc:
@@ -92,6 +95,7 @@ class AnywhereOptions(click.Group):
 
 
 @click.group(cls=AnywhereOptions)
+@click.version_option(package_name="delayq")
 @click.option(
     "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
 )

@@ -177,3 +177,9 @@ def test_url_and_prefix_may_follow_the_subcommand_as_the_docs_write_them(tmp_pat
     assert (tmp_path / "after.db").exists()
     result = CliRunner().invoke(main, ["stats", f"--url={url}", "--json"])
     assert result.exit_code == 0, result.output
+
+
+def test_version_and_a_postgres_url_hint() -> None:
+    assert CliRunner().invoke(main, ["--version"]).output.startswith("delayq, version")
+    result = CliRunner().invoke(main, ["--url", "postgres://u@db.example/app", "stats"])
+    assert result.exit_code == 2 and "postgresql+psycopg://" in result.output
