@@ -95,7 +95,7 @@ class AnywhereOptions(click.Group):
 
 
 @click.group(cls=AnywhereOptions)
-@click.version_option(package_name="delayq")
+@click.version_option(package_name="delayq", prog_name="delayq")
 @click.option(
     "--url", envvar="DELAYQ_URL", default=DEFAULT_URL, show_default=True, help="Database URL (or DELAYQ_URL)."
 )
