@@ -25,7 +25,7 @@ from delayq import migrations
 from delayq.browse import State, list_messages, queue_names
 from delayq.errors import DelayqError
 from delayq.handler import Handler
-from delayq.queue import DelayedQueue
+from delayq.queue import DelayedQueue, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
 from delayq.worker import Worker
@@ -307,7 +307,8 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
     shown = 0
     while True:
         with connect(ctx) as (engine, conn):
-            names = [existing_queue(ctx, conn, queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
+            # A named queue with nothing in it shows zeros: to monitoring, a drained queue is a queue.
+            names = [check_queue_name(queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
             rows = []
             for name in names:
                 s = admin_queue(engine, ctx, name).stats(using=conn)

@@ -183,3 +183,12 @@ def test_version_and_a_postgres_url_hint() -> None:
     assert CliRunner().invoke(main, ["--version"]).output.startswith("delayq, version")
     result = CliRunner().invoke(main, ["--url", "postgres://u@db.example/app", "stats"])
     assert result.exit_code == 2 and "postgresql+psycopg://" in result.output
+
+
+def test_stats_of_a_drained_queue_is_zeros_not_an_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'drained.db'}"
+    assert CliRunner().invoke(main, ["--url", url, "migrate"]).exit_code == 0
+    result = CliRunner().invoke(main, ["--url", url, "stats", "slow", "--json"])
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.output)
+    assert row["queue"] == "slow" and row["ready"] == 0
