@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -56,6 +57,8 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
                 hint = " (write postgresql+psycopg://..., not postgres://...)"
             raise Fail(f"unsupported database URL: {exc}{hint}") from None
         except sa.exc.ArgumentError as exc:
+            raise Fail(f"bad database URL: {exc}") from None
+        except ValueError as exc:  # a URL part SQLAlchemy cannot read (a port that is no number, ...)
             raise Fail(f"bad database URL: {exc}") from None
         except sa.exc.OperationalError as exc:
             raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
@@ -188,8 +191,17 @@ def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     if not module_name or not attr:
         raise Fail(f"expected module:attr, got {spec!r}")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise Fail(f"cannot load {spec!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise Fail(f"cannot load {spec!r}: {exc.msg} at {exc.filename}:{exc.lineno}") from None
+    except Exception as exc:  # the module's own code failed while it was imported: say where
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise Fail(f"cannot load {spec!r}: {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})") from None
+    try:
+        target = getattr(module, attr)
+    except AttributeError as exc:
         raise Fail(f"cannot load {spec!r}: {exc}") from None
     items = list(target) if isinstance(target, list | tuple) else [target]
     for item in items:
@@ -281,7 +293,7 @@ def _unencoded_at(url: str) -> bool:
     """Whether a password's ``@`` spilled into the host (its tail would appear in errors)."""
     try:
         host = sa.engine.make_url(url).host
-    except sa.exc.ArgumentError:
+    except (sa.exc.ArgumentError, ValueError):
         return False  # the command reports a bad URL
     return host is not None and "@" in host
 

@@ -192,3 +192,24 @@ def test_stats_of_a_drained_queue_is_zeros_not_an_error(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     [row] = json.loads(result.output)
     assert row["queue"] == "slow" and row["ready"] == 0
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "says"),
+    [
+        ("failing_at_import", "raise RuntimeError('boom at import')\n", "RuntimeError: boom at import (at "),
+        ("broken_syntax", "def (\n", "invalid syntax at "),
+    ],
+)
+def test_a_handler_module_that_fails_to_import_is_one_line_saying_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str, says: str
+) -> None:
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["--url", f"sqlite:///{tmp_path / 'x.db'}", "worker", f"{module}:handlers"])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
+
+
+def test_a_url_with_a_port_that_is_no_number_is_one_line() -> None:
+    result = CliRunner().invoke(main, ["--url", "postgresql+psycopg://u@db.example:abc/app", "stats"])
+    assert result.exit_code == 2 and "bad database URL" in result.output
