@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -106,3 +107,39 @@ def test_a_worker_whose_connections_went_silent_for_good_resumes_on_new_ones(
         finally:
             worker.stop(10)
             engine.dispose()
+
+
+def test_listen_gives_up_on_a_connection_that_went_silent(
+    backend_urls: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A half-open LISTEN connection delivers nothing and raises nothing: the listener notifies itself
+    through another connection after a quiet spell, and gives up on its own when that does not arrive
+    (the worker then reconnects and logs it; polling goes on meanwhile)."""
+    import delayq.dialects.postgresql as pg
+    from delayq.dialects import dialect_for
+
+    monkeypatch.setattr(pg, "LISTEN_PING_AFTER", 0.5)
+    monkeypatch.setattr(pg, "LISTEN_PING_TIMEOUT", 1.0)
+    b = _backend("postgresql", backend_urls)
+    failures: list[BaseException] = []
+    heard: list[str] = []
+    with FaultProxy.for_url(b.url) as proxy:
+        engine = make_engine(proxy.url_for(b.url))
+        stop = threading.Event()
+
+        def listen() -> None:
+            try:
+                heard.extend(dialect_for(engine).listen(engine, "delayq-listen-probe", stop))
+            except Exception as exc:
+                failures.append(exc)
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        time.sleep(2)  # listening, and its self-checks answered
+        assert listener.is_alive() and not failures
+        proxy.stall_existing()
+        listener.join(15)
+        stop.set()
+        engine.dispose()
+    assert failures and isinstance(failures[0], pg.ListenStalledError), failures
+    assert heard == []  # the self-notifications are not reported as queue names

@@ -76,10 +76,10 @@ class PostgresDialect(Dialect):
             conn.rollback()
             conn.autocommit = True
             conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
-            heard, pinged = time.monotonic(), None
+            heard, pinged, pinger = time.monotonic(), None, None
             while not stop.is_set():
                 for notice in conn.notifies(timeout=0.5):
-                    heard, pinged = time.monotonic(), None
+                    heard, pinged, pinger = time.monotonic(), None, None
                     if notice.payload != PING:
                         yield notice.payload
                 # A half-open connection (a peer gone without a FIN) delivers nothing and raises
@@ -87,7 +87,7 @@ class PostgresDialect(Dialect):
                 # give up on this one when that does not arrive.
                 quiet = time.monotonic() - heard
                 if pinged is None and quiet > LISTEN_PING_AFTER:
-                    self._ping(engine, channel)
+                    pinger = self._ping(engine, channel, pinger)
                     pinged = time.monotonic()
                 elif pinged is not None and time.monotonic() - pinged > LISTEN_PING_TIMEOUT:
                     raise ListenStalledError(
@@ -96,10 +96,24 @@ class PostgresDialect(Dialect):
         finally:
             pooled.close()
 
-    def _ping(self, engine: sa.Engine, channel: str) -> None:
-        with engine.connect() as conn:
-            conn.execute(sa.select(sa.func.pg_notify(channel, PING)))
-            conn.commit()
+    @staticmethod
+    def _ping(engine: sa.Engine, channel: str, previous: threading.Thread | None) -> threading.Thread:
+        """Send the test notification from a thread of its own: its connection may hang too, and the
+        listener must go on counting the time (one ping at a time)."""
+        if previous is not None and previous.is_alive():
+            return previous
+
+        def ping() -> None:
+            try:
+                with engine.connect() as conn:
+                    conn.execute(sa.select(sa.func.pg_notify(channel, PING)))
+                    conn.commit()
+            except Exception:  # the missing notification is what the listener acts on
+                return
+
+        thread = threading.Thread(target=ping, name="delayq-listen-ping", daemon=True)
+        thread.start()
+        return thread
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
