@@ -28,9 +28,10 @@ from delayq.dialects.base import (
 )
 from delayq.errors import UnsupportedDatabaseError
 
-# lock wait timeout, deadlock, server gone away, lost connection, can't connect,
-# MariaDB "connection was killed", MySQL "client disconnected by server".
-_TRANSIENT = {1205, 1213, 2006, 2013, 2003, 1927, 4031}
+# lock wait timeout, deadlock, server shutdown in progress, server gone away, lost connection, can't
+# connect (TCP, socket), lost connection (system error), MariaDB "connection was killed", MySQL "client
+# disconnected by server".
+_TRANSIENT = {1205, 1213, 1053, 2006, 2013, 2003, 2002, 2055, 1927, 4031}
 _MISSING_TABLE = 1146
 _DUPLICATE_KEY = 1062
 MYSQL_MIN = (8, 0, 1)
