@@ -60,7 +60,7 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
             raise Fail(f"bad database URL: {exc}") from None
         except ValueError as exc:  # a URL part SQLAlchemy cannot read (a port that is no number, ...)
             raise Fail(f"bad database URL: {exc}") from None
-        except sa.exc.OperationalError as exc:
+        except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:  # unreachable, a schema that is not there
             raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
         except ModuleNotFoundError as exc:
             raise Fail(

@@ -8,12 +8,14 @@ tables. The Alembic migrations build exactly this schema, and a test holds them 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
 from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
+from delayq.errors import InvalidInputError
 
 MAX_KEY_LENGTH = 200
 MAX_QUEUE_LENGTH = 100
@@ -42,9 +44,28 @@ def _message_columns() -> list[sa.Column[Any]]:
     ]
 
 
+MAX_PREFIX_LENGTH = 63 - len("dead_letters_queue_key_ix")
+"""The longest table prefix: its longest derived name (an index) must fit in 63 characters."""
+
+
+def check_prefix(prefix: object) -> None:
+    """Raise ``InvalidInputError`` for a table prefix delayq cannot build names from."""
+    if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+        raise InvalidInputError(f"table prefix must be letters, digits and underscores, got {prefix!r}")
+    if len(prefix) > MAX_PREFIX_LENGTH:
+        raise InvalidInputError(
+            f"table prefix is {len(prefix)} characters long; at most {MAX_PREFIX_LENGTH} fit in the database's names"
+        )
+
+
 @functools.cache
 def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tables:
-    """The tables named ``{prefix}messages``, ``{prefix}dead_letters`` and ``{prefix}schedules`` in ``schema``."""
+    """The tables named ``{prefix}messages``, ``{prefix}dead_letters`` and ``{prefix}schedules`` in ``schema``.
+
+    ``prefix`` is letters, digits and underscores, at most ``MAX_PREFIX_LENGTH`` long, so that every
+    name delayq makes from it fits PostgreSQL's 63-character identifiers (and MySQL's 64).
+    """
+    check_prefix(prefix)
     md = sa.MetaData(schema=schema)
     messages = sa.Table(
         f"{prefix}messages",

@@ -213,3 +213,20 @@ def test_a_handler_module_that_fails_to_import_is_one_line_saying_where(
 def test_a_url_with_a_port_that_is_no_number_is_one_line() -> None:
     result = CliRunner().invoke(main, ["--url", "postgresql+psycopg://u@db.example:abc/app", "stats"])
     assert result.exit_code == 2 and "bad database URL" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--prefix", "p" * 59, "migrate"], "at most 38"),
+        (["--prefix", "bad-prefix", "migrate"], "letters, digits and underscores"),
+    ],
+)
+def test_a_prefix_the_database_cannot_name_tables_with_is_refused(tmp_path: Path, args: list[str], says: str) -> None:
+    result = CliRunner().invoke(main, ["--url", f"sqlite:///{tmp_path / 'x.db'}", *args])
+    assert result.exit_code == 2 and says in result.output
+
+
+def test_a_schema_that_is_not_there_is_one_line(postgres: Backend) -> None:
+    result = CliRunner().invoke(main, ["--url", postgres.url, "migrate", "--schema", "no_such_schema_here"])
+    assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
