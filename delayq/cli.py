@@ -115,7 +115,11 @@ def main(ctx: click.Context, url: str, prefix: str) -> None:
 def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
     engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
     try:
-        with engine.connect() as conn:
+        try:
+            opened = engine.connect()
+        except TypeError as exc:  # mysqlclient's answer to a URL option it does not know
+            raise Fail(f"bad database URL: {exc}") from None
+        with opened as conn:
             tables = make_tables(ctx.obj["prefix"])
             if not sa.inspect(conn).has_table(tables.messages.name):
                 raise Fail(
