@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from delayq import migrations
 from delayq.browse import State, list_messages, queue_names
+from delayq.dialects import dialect_class
 from delayq.errors import DelayqError
 from delayq.handler import Handler
 from delayq.queue import DelayedQueue, check_queue_name
@@ -254,14 +255,15 @@ def worker_engine(url: str, concurrency: int) -> sa.Engine:
     Each handler may hold a connection for its whole run (a transactional one does), and the fetch
     loop, the heartbeat and the listener need one each besides: a smaller pool would make them
     wait on each other. Engines without a queue pool (SQLite in memory) are left as they are.
-    ``NETWORK_TIMEOUTS`` apply unless the URL sets them.
+    The dialect's ``network_timeouts`` apply unless the URL sets them.
     """
     engine = sa.create_engine(url)
     if not isinstance(engine.pool, sa.pool.QueuePool):
         return engine
     engine.dispose()
     parsed = sa.engine.make_url(url)
-    timeouts = {k: v for k, v in NETWORK_TIMEOUTS.get(parsed.get_backend_name(), {}).items() if k not in parsed.query}
+    defaults = dialect_class(engine.dialect.name).network_timeouts
+    timeouts = {k: v for k, v in defaults.items() if k not in parsed.query}
     # delayq ends every transaction it begins (commit, or a rollback when its Connection closes on an
     # error), so the pool's ROLLBACK on return would only cost a round trip (on mysqlclient).
     return sa.create_engine(
@@ -272,23 +274,6 @@ def worker_engine(url: str, concurrency: int) -> sa.Engine:
         pool_reset_on_return=None,
     )
 
-
-NETWORK_TIMEOUTS: dict[str, dict[str, int]] = {
-    # libpq: give up connecting after 10 s; TCP keepalives find a dead peer of an idle connection in
-    # about 25 s, and tcp_user_timeout one that stops acknowledging what was sent after 30 s.
-    "postgresql": {
-        "connect_timeout": 10,
-        "keepalives": 1,
-        "keepalives_idle": 10,
-        "keepalives_interval": 5,
-        "keepalives_count": 3,
-        "tcp_user_timeout": 30_000,
-    },
-    # mysqlclient: a statement whose reply does not come in 60 s fails (and is retried by delayq);
-    # set read_timeout in the URL for transactional handlers that run longer statements.
-    "mysql": {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60},
-}
-"""Client-side timeouts of the engines ``delayq worker`` makes, per backend; the URL's query overrides each."""
 
 SECRET_QUERY_KEYS = {"password", "passwd", "pass", "sslpassword", "sslkey_password"}
 

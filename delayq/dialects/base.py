@@ -262,6 +262,9 @@ class Dialect:
     min_version: ClassVar[tuple[int, ...]] = ()
     #: Whether an insert that skips duplicates can return the rows it created (RETURNING).
     insert_returns_created: ClassVar[bool] = True
+    #: Client-side timeouts for engines delayq makes itself (``delayq worker``), as connect arguments;
+    #: a URL's query overrides each.
+    network_timeouts: ClassVar[dict[str, int]] = {}
 
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         self.sa_dialect = sa_dialect

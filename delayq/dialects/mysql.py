@@ -58,6 +58,9 @@ class MySQLDialect(Dialect):
     name: ClassVar[str] = "mysql"
     min_version: ClassVar[tuple[int, ...]] = MYSQL_MIN  # and MariaDB 10.6: SKIP LOCKED
     insert_returns_created: ClassVar[bool] = False
+    # mysqlclient: a statement whose reply does not come in 60 s fails (and is retried by delayq);
+    # set read_timeout in the URL for transactional handlers that run longer statements.
+    network_timeouts: ClassVar[dict[str, int]] = {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60}
 
     def check_server(self) -> None:
         info = self.sa_dialect.server_version_info or ()

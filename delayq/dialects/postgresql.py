@@ -51,6 +51,16 @@ class PostgresDialect(Dialect):
             )
 
     claim_mode: ClassVar[Mode] = "statement"
+    # libpq: give up connecting after 10 s; TCP keepalives find a dead peer of an idle connection in
+    # about 25 s, and tcp_user_timeout one that stops acknowledging what was sent after 30 s.
+    network_timeouts: ClassVar[dict[str, int]] = {
+        "connect_timeout": 10,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,
+    }
     can_notify: ClassVar[bool] = True
 
     def notifying(self, insert: sa.Insert, tables: Tables) -> sa.Executable:
