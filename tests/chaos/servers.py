@@ -70,6 +70,22 @@ class Server(Protocol):
     def close(self) -> None: ...
 
 
+class Restartable(Protocol):
+    def stop(self, mode: Mode) -> None: ...
+
+    def start(self) -> None: ...
+
+
+def restart(server: Restartable, mode: Mode, down: float) -> tuple[float, float]:
+    """Stop (fast or immediate), stay down ``down`` seconds, start again; the monotonic times the stop
+    began and the server was ready."""
+    began = time.monotonic()
+    server.stop(mode)
+    time.sleep(down)
+    server.start()
+    return began, time.monotonic()
+
+
 class SqliteFile:
     """No server: a database file in a temp dir, in WAL mode (persistent for the file)."""
 
@@ -140,13 +156,7 @@ class PostgresServer:
         self._started = False
 
     def restart(self, mode: Mode, down: float = 0.0) -> tuple[float, float]:
-        """Stop (fast or immediate), stay down ``down`` seconds, start again; monotonic times the stop
-        began and the server was ready."""
-        began = time.monotonic()
-        self.stop(mode)
-        time.sleep(down)
-        self.start()
-        return began, time.monotonic()
+        return restart(self, mode, down)
 
     def close(self) -> None:
         try:
@@ -230,11 +240,7 @@ class MariadbServer:
             proc.wait(10)
 
     def restart(self, mode: Mode, down: float = 0.0) -> tuple[float, float]:
-        began = time.monotonic()
-        self.stop(mode)
-        time.sleep(down)
-        self.start()
-        return began, time.monotonic()
+        return restart(self, mode, down)
 
     def close(self) -> None:
         try:
