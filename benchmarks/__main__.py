@@ -28,7 +28,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
+from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
 
 PREFIX = "bench_"
@@ -414,6 +416,11 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
             f"worker no-op drain, {workers} worker(s) x 8 slots",
             lambda w=workers: worker_drain(engine, q, sizes.consume_batch, w),
         )
+    measure(  # benchmarks/metrics.py: the ceiling is the same drain with metrics off
+        "worker no-op drain with metrics, 1 worker x 8 slots",
+        lambda: metrics_overhead(lambda: worker_drain(engine, q, sizes.consume_batch, 1)),
+    )
+    aio_bench.measure_all(engine, q, sizes, measure)  # delayq.aio beside the sync API
     scale_figures = {
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))

@@ -18,6 +18,7 @@ from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueS
 from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
+from delayq.topics import LeaseLostError, Subscription, Topic, TopicDelivery
 from delayq.transactions import TransientRetry
 from delayq.worker import Worker, WorkerHealth
 
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidQueueError",
     "InvalidTimeError",
     "JsonSerializer",
+    "LeaseLostError",
     "ManualClock",
     "Message",
     "OfferOutcome",
@@ -47,7 +49,10 @@ __all__ = [
     "SchemaMissingError",
     "SerializationMismatchError",
     "Serializer",
+    "Subscription",
     "TextSerializer",
+    "Topic",
+    "TopicDelivery",
     "TransientRetry",
     "UnsupportedDatabaseError",
     "Worker",

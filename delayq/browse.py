@@ -1,11 +1,15 @@
-"""Read-only views for operators: which queues exist, and their messages by state, whatever their serializer."""
+"""Read-only views for operators: which queues exist, and their messages by state, whatever their serializer.
+
+The states are those ``DelayedQueue.stats()`` counts: a held message whose lock has expired is
+``expired-lock`` (due for redelivery), not ``in-flight``.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,6 +17,7 @@ import sqlalchemy as sa
 from delayq.clock import from_ms, to_ms
 from delayq.dialects import dialect_for
 from delayq.dialects.base import prefix_bounds
+from delayq.history import AttemptRecord, parse
 from delayq.schema import Tables
 
 
@@ -22,6 +27,9 @@ class State(enum.Enum):
     READY = "ready"
     SCHEDULED = "scheduled"
     IN_FLIGHT = "in-flight"
+    """Held by a consumer whose lock has not expired."""
+    EXPIRED_LOCK = "expired-lock"
+    """Held by a consumer whose lock expired: due for redelivery."""
     DEAD = "dead"
 
 
@@ -37,6 +45,9 @@ class StoredMessage:
     scheduled_at: dt.datetime | None
     attempts: int
     last_error: str | None
+    failed_at: dt.datetime | None = None
+    """When a dead letter was moved to the dead letters (None for live messages)."""
+    attempt_history: tuple[AttemptRecord, ...] = field(default=())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +59,8 @@ class StoredMessage:
             "scheduled_at": None if self.scheduled_at is None else self.scheduled_at.isoformat(),
             "attempts": self.attempts,
             "last_error": self.last_error,
+            "failed_at": None if self.failed_at is None else self.failed_at.isoformat(),
+            "attempt_history": [r.to_json() for r in self.attempt_history],
         }
 
 
@@ -91,13 +104,23 @@ def list_messages(
             t.c.payload,
             t.c.attempts,
             t.c.last_error,
+            t.c.attempt_history,
+            t.c.failed_at,
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
         ).order_by(t.c.id)
     else:
         t = tables.messages
         stmt = sa.select(
-            t.c.key, t.c.payload_type, t.c.payload, t.c.attempts, t.c.last_error, t.c.scheduled_at, t.c.lock_token
+            t.c.key,
+            t.c.payload_type,
+            t.c.payload,
+            t.c.attempts,
+            t.c.last_error,
+            t.c.attempt_history,
+            sa.null().label("failed_at"),
+            t.c.scheduled_at,
+            t.c.lock_token,
         ).order_by(t.c.scheduled_at, t.c.id)
         now_ms = to_ms(now)
         if state is State.READY:
@@ -105,7 +128,9 @@ def list_messages(
         elif state is State.SCHEDULED:
             stmt = stmt.where(t.c.scheduled_at > now_ms, t.c.lock_token.is_(None))
         elif state is State.IN_FLIGHT:
-            stmt = stmt.where(t.c.lock_token.is_not(None))
+            stmt = stmt.where(t.c.scheduled_at > now_ms, t.c.lock_token.is_not(None))
+        elif state is State.EXPIRED_LOCK:
+            stmt = stmt.where(t.c.scheduled_at <= now_ms, t.c.lock_token.is_not(None))
     stmt = stmt.where(t.c.queue == queue).limit(limit)
     params: dict[str, Any] = {}
     if key_prefix:
@@ -123,12 +148,20 @@ def list_messages(
             scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
             attempts=r.attempts,
             last_error=r.last_error,
+            failed_at=None if r.failed_at is None else from_ms(r.failed_at),
+            attempt_history=parse(r.attempt_history),
         )
         for r in conn.execute(stmt, params)
     ]
 
 
 def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State:
+    due = scheduled_at <= to_ms(now)
     if lock_token is not None:
-        return State.IN_FLIGHT
-    return State.READY if scheduled_at <= to_ms(now) else State.SCHEDULED
+        return State.EXPIRED_LOCK if due else State.IN_FLIGHT
+    return State.READY if due else State.SCHEDULED
+
+
+def database_now(conn: sa.Connection) -> dt.datetime:
+    """The database's clock, which decides what is due (as ``stats()`` reads it)."""
+    return from_ms(int(conn.execute(sa.select(dialect_for(conn.engine).now_ms())).scalar_one()))

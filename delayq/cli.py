@@ -11,6 +11,7 @@ import functools
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -23,16 +24,18 @@ import click
 import sqlalchemy as sa
 
 from delayq import migrations
-from delayq.browse import State, list_messages, queue_names
+from delayq.browse import State, StoredMessage, database_now, list_messages, queue_names
 from delayq.dialects import dialect_class
 from delayq.errors import DelayqError
 from delayq.handler import Handler
-from delayq.queue import DelayedQueue, check_queue_name
+from delayq.humanize import human
+from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
 from delayq.worker import Worker
 
 DEFAULT_URL = "sqlite:///delayq.db"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -65,10 +68,50 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
             raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
         except ModuleNotFoundError as exc:
             raise Fail(
-                f"the database driver is not installed ({exc.name}): pip install 'delayq[postgres]' or 'delayq[mysql]'"
+                f"the database driver is not installed ({exc.name}): {DRIVER_HINTS.get(exc.name or '', INSTALL)}"
             ) from None
 
     return wrapper
+
+
+INSTALL = "pip install 'delayq[postgres]' (psycopg) or 'delayq[mysql]' (mysqlclient)"
+DRIVER_HINTS = {
+    "psycopg": "pip install 'delayq[postgres]'",
+    "MySQLdb": "pip install 'delayq[mysql]'",
+    "pymysql": "pip install pymysql, or write mysql+mysqldb://... and pip install 'delayq[mysql]'",
+    "psycopg2": "pip install psycopg2-binary, or write postgresql+psycopg://... and pip install 'delayq[postgres]'",
+}
+ASYNC_DRIVERS = {
+    "asyncpg": "postgresql+psycopg://",
+    "psycopg_async": "postgresql+psycopg://",
+    "aiosqlite": "sqlite:///",
+    "asyncmy": "mysql+mysqldb://",
+    "aiomysql": "mysql+mysqldb://",
+}
+
+
+def check_url(url: str) -> sa.engine.URL | None:
+    """The parsed URL; a ``Fail`` for an asyncio driver or a SQLite file that is not there (never created here)."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        return None  # the command reports a bad URL
+    sync = ASYNC_DRIVERS.get(parsed.get_driver_name())
+    if sync is not None:
+        raise Fail(
+            f"{parsed.drivername} is an asyncio driver, for the delayq.aio API: the command line needs a "
+            f"synchronous one, e.g. {sync}... with the same host and database"
+        )
+    return parsed
+
+
+def check_sqlite_file(parsed: sa.engine.URL | None) -> None:
+    """A read-only command on a SQLite file that does not exist fails instead of creating it."""
+    if parsed is None or parsed.get_backend_name() != "sqlite":
+        return
+    database = parsed.database or ""
+    if database and database != ":memory:" and not database.startswith("file:") and not os.path.exists(database):
+        raise Fail(f"no SQLite database at {database}: run `delayq migrate` there first, or give --url")
 
 
 class AnywhereOptions(click.Group):
@@ -114,6 +157,7 @@ def main(ctx: click.Context, url: str, prefix: str) -> None:
 
 @contextmanager
 def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
+    check_sqlite_file(check_url(ctx.obj["url"]))
     engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
     try:
         try:
@@ -145,7 +189,17 @@ def admin_queue(engine: sa.Engine, ctx: click.Context, name: str) -> DelayedQueu
     return DelayedQueue(engine, name, table_prefix=ctx.obj["prefix"], serializer=BytesSerializer())
 
 
+STATE_COLOURS = {
+    "ready": "green",
+    "scheduled": "cyan",
+    "in-flight": "yellow",
+    "expired-lock": "magenta",
+    "dead": "red",
+}
+
+
 def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
+    """Rows as JSON, or as a table (headers bold and states coloured when stdout is a terminal)."""
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -153,9 +207,21 @@ def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
         click.echo("(nothing)")
         return
     widths = {c: max(len(c), *(len(_cell(r[c])) for r in rows)) for c in columns}
-    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    click.echo(click.style("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip(), bold=True))
     for r in rows:
-        click.echo("  ".join(_cell(r[c]).ljust(widths[c]) for c in columns))
+        cells = []
+        for c in columns:
+            text = _cell(r[c]).ljust(widths[c])
+            colour = STATE_COLOURS.get(r[c]) if c == "state" else None
+            cells.append(click.style(text, fg=colour) if colour else text)
+        click.echo("  ".join(cells).rstrip())
+
+
+def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
+    """``in 5m 00s`` or ``3.0s ago``."""
+    if at is None:
+        return None
+    return f"in {human(at - now)}" if at > now else f"{human(now - at)} ago"
 
 
 def _cell(value: Any) -> str:
@@ -179,7 +245,13 @@ def migrate(ctx: click.Context, revision: str, schema: str | None) -> None:
 
 
 @main.command()
-@click.option("--seconds", default=12.0, show_default=True, help="How long the worker runs.")
+@click.option(
+    "--seconds",
+    default=6.0,
+    show_default=True,
+    type=click.FloatRange(min=0, max=3600),
+    help="The worker runs at least this long, then until every email is sent or dead (at most 60 s more).",
+)
 @click.pass_context
 @friendly
 def demo(ctx: click.Context, seconds: float) -> None:
@@ -225,28 +297,61 @@ def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     type=click.FloatRange(min=0, max=86_400),
     help="Seconds in-flight handlers may run on after SIGINT/SIGTERM.",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    help="DEBUG also logs each delivery's start; INFO each success; WARNING each failure (with its traceback).",
+)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True, help="Address the metrics server listens on.")
 @click.pass_context
 @friendly
-def worker(ctx: click.Context, handlers: str, concurrency: int, shutdown_timeout: float, log_level: str) -> None:
+def worker(
+    ctx: click.Context,
+    handlers: str,
+    concurrency: int,
+    shutdown_timeout: float,
+    log_level: str,
+    metrics_port: int | None,
+    metrics_addr: str,
+) -> None:
     """Run the handlers HANDLERS (module:attr) until SIGINT or SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if "" not in sys.path:
         sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
     loaded = load_handlers(handlers)
+    check_url(ctx.obj["url"])
     engine = worker_engine(ctx.obj["url"], concurrency)
     try:
         with engine.connect():
             pass  # fail now, with one line, if the database cannot be reached
-        Worker(
+        w = Worker(
             engine,
             loaded,
             concurrency=concurrency,
             table_prefix=ctx.obj["prefix"],
             shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
-        ).run()  # raises SchemaMissingError (exit 2, "run `delayq migrate`") when the tables are missing
+        )
+        if metrics_port is not None:
+            serve_metrics(metrics_port, metrics_addr, w)
+        w.run()  # raises SchemaMissingError (exit 2, "run `delayq migrate`") when the tables are missing
     finally:
         engine.dispose()
+
+
+def serve_metrics(port: int, addr: str, w: Worker) -> None:
+    """Serve the worker's metrics on ``addr:port`` (needs the ``metrics`` extra)."""
+    try:
+        from delayq.metrics import serve
+    except ImportError:
+        raise Fail("--metrics-port needs prometheus-client: pip install 'delayq[metrics]'") from None
+    try:
+        serve(port, w.queues, addr=addr)
+    except OSError as exc:
+        raise Fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
+    logging.getLogger("delayq.metrics").info("metrics on http://%s:%d/metrics", addr, port)
 
 
 def worker_engine(url: str, concurrency: int) -> sa.Engine:
@@ -310,7 +415,7 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
         with connect(ctx) as (engine, conn):
             # A named queue with nothing in it shows zeros: to monitoring, a drained queue is a queue.
             names = [check_queue_name(queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
-            rows = []
+            rows: list[dict[str, Any]] = []
             for name in names:
                 s = admin_queue(engine, ctx, name).stats(using=conn)
                 rows.append(
@@ -329,7 +434,11 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
         if watch and not as_json:
             click.clear()
             click.echo(dt.datetime.now().strftime("%H:%M:%S"))
-        emit(rows, as_json, ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due_age_s"])
+        if not as_json:
+            for r in rows:
+                age = r.pop("oldest_due_age_s")
+                r["oldest_due"] = None if age is None else human(dt.timedelta(seconds=age))
+        emit(rows, as_json, ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due"])
         shown += 1
         if not watch or (times and shown >= times):
             return
@@ -345,19 +454,37 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
 @click.pass_context
 @friendly
 def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None, limit: int, as_json: bool) -> None:
-    """List a queue's messages (or dead letters) by due time."""
+    """List a queue's messages (or dead letters) by due time, in the states `stats` counts."""
     with connect(ctx) as (_, conn):
         existing_queue(ctx, conn, queue)
+        now = database_now(conn)
         found = list_messages(
             conn,
             make_tables(ctx.obj["prefix"]),
             queue,
             state=State(state) if state else None,
-            now=dt.datetime.now(dt.UTC),
+            now=now,
             key_prefix=key_prefix,
             limit=limit,
         )
-    emit([m.as_dict() for m in found], as_json, ["key", "state", "scheduled_at", "attempts", "last_error", "payload"])
+    if as_json:
+        emit([m.as_dict() for m in found], True, [])
+        return
+    dead_only = state == State.DEAD.value
+    rows = [_row(m, now) for m in found]
+    emit(rows, False, ["key", "state", "failed" if dead_only else "due", "attempts", "last_error", "payload"])
+
+
+def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
+    return {
+        "key": m.key,
+        "state": m.state.value,
+        "due": relative(m.scheduled_at, now),
+        "failed": relative(m.failed_at, now),
+        "attempts": m.attempts,
+        "last_error": m.last_error,
+        "payload": m.payload,
+    }
 
 
 @main.command()
@@ -371,20 +498,58 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
     tables = make_tables(ctx.obj["prefix"])
     with connect(ctx) as (_, conn):
         existing_queue(ctx, conn, queue)
-        now = dt.datetime.now(dt.UTC)
+        now = database_now(conn)
         found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1) + list_messages(
             conn, tables, queue, state=State.DEAD, now=now, key=key, limit=20
         )
     if not found:
         raise Fail(f"no message {key!r} in queue {queue!r}")
-    rows = [m.as_dict() for m in found]
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=str))
+        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=str))
         return
-    for row in rows:
-        for name, value in row.items():
-            click.echo(f"{name:>13}: {_cell(value)}")
+    for m in found:
+        for name, value in m.as_dict().items():
+            if name == "attempt_history" or (name == "failed_at" and value is None):
+                continue
+            if name == "state":
+                value = click.style(value, fg=STATE_COLOURS.get(value))
+            when = {"scheduled_at": m.scheduled_at, "failed_at": m.failed_at}.get(name)
+            shown = _cell(value) if when is None else f"{value} ({relative(when, now)})"
+            click.echo(f"{name:>13}: {shown}")
+        for r in m.attempt_history:
+            click.echo(
+                click.style(f"\n  attempt {r.attempt} failed {relative(r.at, now)} ({r.at.isoformat()})", bold=True)
+            )
+            click.echo(f"  {r.message}")
+            for line in (r.traceback or "").rstrip().splitlines():
+                click.echo(click.style(f"    {line}", dim=True))
         click.echo()
+
+
+@main.command()
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds per refresh.")
+@click.option("--queue", "queues", multiple=True, help="Only this queue (repeat for more).")
+@click.option("--times", default=0, hidden=True, help="Stop after this many refreshes.")
+@click.pass_context
+@friendly
+def top(ctx: click.Context, interval: float, queues: tuple[str, ...], times: int) -> None:
+    """A live view: queues, rates, in flight, oldest due, recent failures with tracebacks (Ctrl-C ends)."""
+    try:
+        from rich.console import Console
+
+        from delayq.top import Top, run
+    except ImportError:
+        raise Fail("delayq top needs rich: pip install 'delayq[top]'") from None
+    with connect(ctx):
+        pass  # the tables are there (and a SQLite file is never created)
+    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
+    try:
+        only = [check_queue_name(q) for q in queues] or None
+        run(Top(engine, ctx.obj["prefix"], only=only), Console(), interval, times)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.dispose()
 
 
 # -- acting ---------------------------------------------------------------------------------------------
@@ -441,12 +606,75 @@ def run_now(ctx: click.Context, queue: str, key: str) -> None:
 
 @main.command()
 @click.argument("queue")
-@click.argument("key")
+@click.argument("key", required=False)
+@click.option("--key-prefix", help="Every message whose key starts with this (asks first unless --yes).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 @friendly
-def cancel(ctx: click.Context, queue: str, key: str) -> None:
-    """Delete a message."""
-    _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
+    """Delete a message, or every message under --key-prefix."""
+    if (key is None) == (key_prefix is None):
+        raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
+    if key is not None:
+        _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+        return
+    assert key_prefix is not None
+    with connect(ctx) as (engine, conn):
+        existing_queue(ctx, conn, queue)
+        found = list_messages(
+            conn,
+            make_tables(ctx.obj["prefix"]),
+            queue,
+            state=None,
+            now=database_now(conn),
+            key_prefix=check_prefix(key_prefix),
+            limit=10_000_000,
+        )
+        conn.rollback()
+        keys = [m.key for m in found]
+        if not keys:
+            raise Fail(f"no message in queue {queue!r} has a key that starts with {key_prefix!r}")
+        if not yes:
+            click.confirm(
+                f"cancel {len(keys)} message(s) of {queue!r} whose key starts with {key_prefix!r}?", abort=True
+            )
+        q, done = admin_queue(engine, ctx, queue), 0
+        # One key at a time, so the bar moves and no statement holds many locks; a message offered
+        # under the prefix meanwhile is left alone (it was not in the list confirmed).
+        with click.progressbar(keys, label="cancel", file=sys.stderr, show_pos=True) as bar:
+            for k in bar:
+                done += q.cancel(k)
+    click.echo(f"{queue}: {done} message(s) cancelled")
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.argument("payload")
+@click.option("--at", "at_text", help="When it is due, ISO 8601 with an offset (default: now).")
+@click.option("--in", "in_text", help="How long from now it is due, e.g. 90s, 5m, 1h30m.")
+@click.option("--update", is_flag=True, help="Replace a message already under KEY.")
+@click.pass_context
+@friendly
+def enqueue(
+    ctx: click.Context, queue: str, key: str, payload: str, at_text: str | None, in_text: str | None, update: bool
+) -> None:
+    """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"')."""
+    if at_text is not None and in_text is not None:
+        raise Fail("give at most one of --at TIME or --in DURATION")
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise Fail(f"PAYLOAD is not JSON ({exc}): write a string with its quotes, e.g. '\"hello\"'") from None
+    at: dt.datetime | dt.timedelta | None = None
+    if at_text is not None:
+        at = parse_time(at_text)
+    elif in_text is not None:
+        at = parse_duration(in_text)
+    with connect(ctx) as (engine, conn):
+        conn.rollback()
+        outcome = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"]).offer(key, value, at, update=update)
+    click.echo(f"{queue} {key}: {outcome.value}")
 
 
 def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:
@@ -593,5 +821,16 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
     click.echo(f"{queue} {name}: uninstalled, {deleted} pending run(s) deleted")
 
 
-if __name__ == "__main__":
-    main()
+# -- topics --------------------------------------------------------------------------------------------
+def _add_topics() -> None:
+    from delayq.topics.cli import topics  # its commands build on the helpers above
+
+    main.add_command(topics)
+
+
+if __name__ == "__main__":  # `python -m delayq.cli`: run the package's module, which has every command
+    from delayq.cli import main as packaged
+
+    packaged()
+else:
+    _add_topics()

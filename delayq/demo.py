@@ -1,9 +1,17 @@
-"""``delayq demo``: a tour of delayq on the embedded default, in well under a minute."""
+"""``delayq demo``: a tour of delayq on the embedded default, in well under a minute.
+
+It runs for at least ``--seconds`` (for the cron ticks), then until every email is settled (sent or
+dead-lettered), at most ``MAX_EXTRA_SECONDS`` more: what it shows never depends on how fast the
+machine is.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
+import shutil
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,6 +29,8 @@ from delayq.retry import RetryPolicy
 from delayq.worker import Worker
 
 EMAILS, TICKS = "demo-emails", "demo-ticks"
+MAX_EXTRA_SECONDS = 60.0
+"""How long past ``--seconds`` the demo waits for its emails to settle."""
 events: Counter[str] = Counter()
 lock = threading.Lock()
 
@@ -39,13 +49,15 @@ class SendEmail(Handler):
 
     def handle(self, delivery: Delivery, conn: Any = None) -> None:
         payload = delivery.payload
+        last = self.retry.gives_up_after(delivery.attempts)
         if payload["to"].endswith("@invalid"):
-            note("failed")
+            note("dead-lettered" if last else "retried")
             raise ValueError(f"mailbox {payload['to']} does not exist")
         if payload["n"] % 4 == 0 and delivery.attempts == 1:
-            note("failed")
+            note("retried")
             raise TimeoutError("smtp timeout")
         if payload["to"] == "nobody":
+            note("dead-lettered")
             raise DeadLetter("no address")
         note("sent")
         click.echo(f"  sent   {delivery.key:<10} to {payload['to']:<22} attempt {delivery.attempts}")
@@ -59,8 +71,33 @@ class Tick(Handler):
         click.echo(f"  tick   {delivery.scheduled_at:%H:%M:%S}")
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def settled(emails: DelayedQueue) -> bool:
+    """Every email sent or dead-lettered: nothing ready, scheduled or held."""
+    s = emails.stats()
+    return s.ready + s.scheduled + s.in_flight + s.expired_locks == 0
+
+
+def next_steps(url: str) -> str:
+    """The commands to look further, as this user can type them (the delayq on PATH, or the one running)."""
+    command, hint = "delayq", ""
+    me = sys.argv[0] if sys.argv else ""
+    on_path = shutil.which("delayq")
+    if os.path.basename(me) == "delayq" and (on_path is None or not os.path.samefile(on_path, me)):
+        command = me if os.path.relpath(me).startswith("..") else os.path.relpath(me)
+        activate = os.path.join(os.path.dirname(command), "activate")
+        hint = f"\n(this delayq is not on your PATH: `source {activate}` puts it there)"
+    if url != "sqlite:///delayq.db":
+        command += f" --url '{sa.engine.make_url(url).render_as_string()}'"
+    steps = (f"  {command} stats", f"  {command} ls {EMAILS} --state dead", f"  {command} dead requeue {EMAILS} --all")
+    return "\n".join(steps) + hint
+
+
 def run_demo(url: str, seconds: float) -> None:
-    """Migrate, offer, install a schedule, run a worker for ``seconds`` with a live view, summarise."""
+    """Migrate, offer, install a schedule, run a worker (at least ``seconds``, until the emails settle), summarise."""
     click.echo(f"delayq demo on {sa.engine.make_url(url).render_as_string()}\n")
     migrations.upgrade(url)
     engine = sa.create_engine(url)
@@ -77,7 +114,13 @@ def run_demo(url: str, seconds: float) -> None:
         ]
     )
     created = sum(o.value == "created" for o in outcomes)
-    click.echo(f"offered {len(keys)} emails due over the next 6 s ({created} new, the rest already queued)")
+    if created == len(keys):
+        click.echo(f"offered {len(keys)} emails due over the next 6 s")
+    else:
+        click.echo(
+            f"offered {len(keys)} emails due over the next 6 s: {created} new, "
+            f"{len(keys) - created} still queued from an earlier run (same keys: not offered twice)"
+        )
     cron = CronService(DelayedQueue(engine, TICKS))
     cron.install_periodic("every-3s", every=dt.timedelta(seconds=3))
     click.echo("installed a cron schedule: a tick every 3 s\n")
@@ -86,23 +129,29 @@ def run_demo(url: str, seconds: float) -> None:
     worker = Worker(engine, [SendEmail, Tick], concurrency=4, poll_interval=dt.timedelta(milliseconds=200))
     worker.start()
     cron.start()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + seconds + MAX_EXTRA_SECONDS
+    while True:
         time.sleep(1)
         s = emails.stats()
         click.echo(
-            f"  [{seconds - (deadline - time.monotonic()):4.0f}s] emails: ready {s.ready}, scheduled "
-            f"{s.scheduled}, in flight {s.in_flight}, dead {s.dead} | sent {events['sent']}, failed attempts "
-            f"{events['failed']}, ticks {events['ticks']}"
+            f"  [{time.monotonic() - start:4.0f}s] emails: ready {s.ready}, scheduled {s.scheduled}, in flight "
+            f"{s.in_flight}, dead {s.dead} | sent {events['sent']}, retried {events['retried']}, "
+            f"ticks {events['ticks']}"
         )
+        now = time.monotonic()
+        if now >= deadline or (now - start >= seconds and settled(emails)):
+            break
     cron.stop()
     worker.stop()
     s = emails.stats()
+    left = s.ready + s.scheduled + s.in_flight + s.expired_locks
     click.echo(
-        f"\nsummary: {events['sent']} emails sent, {events['failed']} failed attempts retried, {s.dead} dead "
-        f"letter(s), {events['ticks']} cron ticks, {s.ready + s.scheduled} email(s) still queued"
+        f"\nsummary: {plural(events['sent'], 'email')} sent, {plural(events['retried'], 'failed attempt')} "
+        f"retried, {plural(s.dead, 'dead letter')}, {plural(events['ticks'], 'cron tick')}, "
+        f"{plural(left, 'email')} still queued"
     )
     for d in emails.dead_letters():
-        click.echo(f"  dead letter {d.key}: {d.last_error} after {d.attempts} attempts")
-    click.echo("\nnext: delayq stats | delayq ls demo-emails --state dead | delayq dead requeue demo-emails --all")
+        click.echo(f"  dead letter {d.key}: {d.last_error} after {plural(d.attempts, 'attempt')}")
+    click.echo(f"\nnext, to look at what it left in the database:\n{next_steps(url)}")
     engine.dispose()

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from delayq.history import AttemptRecord
+
 if TYPE_CHECKING:
     from delayq.queue import DelayedQueue, Using
 
@@ -36,6 +38,8 @@ class Message:
     last_error: str | None
     locked: bool
     """Whether a consumer's lock is set on it (the lock may have expired)."""
+    attempt_history: tuple[AttemptRecord, ...] = ()
+    """Its failed attempts, oldest first (bounded: see ``delayq.history``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,9 @@ class DeadMessage:
     attempts: int
     last_error: str | None
     failed_at: dt.datetime
+    """When it was moved to the dead letters."""
+    attempt_history: tuple[AttemptRecord, ...] = ()
+    """Its failed attempts, oldest first, the one that dead-lettered it last (bounded)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,7 @@ class Delivery:
     """When the lock expires unless extended."""
     lock_token: str
     _queue: DelayedQueue = field(repr=False)
+    _history: tuple[AttemptRecord, ...] | None = field(default=None, repr=False)
 
     @property
     def redelivered(self) -> bool:
@@ -101,6 +109,18 @@ class Delivery:
     @property
     def queue(self) -> str:
         return self._queue.name
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the offer stored with the message (the trace context, with tracing on); read from the database."""
+        return self._queue.headers(self.key)
+
+    @property
+    def attempt_history(self) -> tuple[AttemptRecord, ...]:
+        """The message's earlier failed attempts, oldest first (read from the database on first use)."""
+        if self._history is None:
+            self._history = self._queue.attempt_history(self.key)
+        return self._history
 
     @property
     def label(self) -> str:
@@ -113,14 +133,27 @@ class Delivery:
         """Delete the message; True when this delivery still held the lock."""
         return self._queue.ack_many([self], using=using) == 1
 
-    def retry(self, delay: dt.timedelta = dt.timedelta(0), error: str | None = None, *, using: Using = None) -> bool:
-        """Release the message for another attempt after ``delay``, recording ``error``."""
-        return self._queue._retry(self, delay, error, using)
+    def retry(
+        self,
+        delay: dt.timedelta = dt.timedelta(0),
+        error: str | None = None,
+        *,
+        using: Using = None,
+        exception: BaseException | None = None,
+    ) -> bool:
+        """Release the message for another attempt after ``delay``, recording ``error``.
+
+        The attempt history gets ``exception``'s type and traceback (by default the exception
+        being handled, when called in an ``except`` block).
+        """
+        return self._queue._retry(self, delay, error, using, exception)
 
     def extend(self, by: dt.timedelta, *, using: Using = None) -> bool:
         """Push the lock's expiry to ``by`` from now (a heartbeat for long work)."""
         return self._queue._extend(self, by, using)
 
-    def dead_letter(self, error: str | None = None, *, using: Using = None) -> bool:
-        """Move the message to the dead letters, recording ``error``."""
-        return self._queue._dead_letter(self, error, using)
+    def dead_letter(
+        self, error: str | None = None, *, using: Using = None, exception: BaseException | None = None
+    ) -> bool:
+        """Move the message to the dead letters, recording ``error`` (and ``exception``, as ``retry``)."""
+        return self._queue._dead_letter(self, error, using, exception)

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from delayq import history, observe
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
@@ -108,11 +109,17 @@ class DelayedQueue:
         a relative ``at`` is measured from now, so it differs on every call.
         """
         params = self._offer_params(key, payload, at)
+        with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
 
-        def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
-            return self._offer_one(conn, dialect, self._statements(dialect), params, update)
+            def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
+                outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
+                if headers and outcome is not OfferOutcome.IGNORED:
+                    self._store_headers(conn, dialect, [params["msg_key"]], headers)
+                return outcome
 
-        return self._runner.run(using, op, "statement" if not update else "transaction")
+            outcome = self._runner.run(using, op, "statement" if not (update or headers) else "transaction")
+        observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
+        return outcome
 
     def offer_many(
         self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
@@ -126,7 +133,19 @@ class DelayedQueue:
         prepared = [self._offer_params(key, payload, at) for key, payload, at in items]
         if not prepared:
             return []
+        with observe.offering(self.name, len(prepared)) as headers:
+            found = self._offer_prepared(prepared, update, headers, using)
+        observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
+        return found
 
+    def _store_headers(self, conn: Connection, dialect: Dialect, keys: list[str], headers: dict[str, str]) -> None:
+        """Keep ``headers`` with the messages just offered under ``keys``."""
+        stmt = self._statements(dialect).memo(history.statements).set_headers
+        conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
+
+    def _offer_prepared(
+        self, prepared: list[dict[str, Any]], update: bool, headers: dict[str, str] | None, using: Using
+    ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
             now = self._now_ms(conn, stmts)
@@ -147,6 +166,10 @@ class DelayedQueue:
                     outcomes[i] = (
                         self._offer_one(conn, dialect, stmts, p, update=True) if update else OfferOutcome.IGNORED
                     )
+            if headers:
+                done = [p["msg_key"] for p, o in zip(prepared, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
+                for start in range(0, len(done), OFFER_CHUNK):
+                    self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
@@ -247,6 +270,7 @@ class DelayedQueue:
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
             log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
             raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
+        observe.count("acked", self.name, acked)
         return acked
 
     def extend_many(
@@ -282,17 +306,27 @@ class DelayedQueue:
                 extended.append(d)
             elif d.id not in held:
                 lost.append(d)
+        observe.count("lock_lost", self.name, len(lost))
         return extended, lost
 
-    def _retry(self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using) -> bool:
-        params = {
-            "msg_id": d.id,
-            "token": d.lock_token,
-            "delay": duration_ms(delay, "delay"),
-            "error": error,
-            **self._now_param(),
-        }
-        return self._held_update(lambda s: s.retry, params, using)
+    def _retry(
+        self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using, exception: BaseException | None = None
+    ) -> bool:
+        params = {"msg_id": d.id, "token": d.lock_token, "delay": duration_ms(delay, "delay"), "error": error}
+        params.update(self._now_param())
+        failure = history.Failure.capture(error, exception)
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            hs = self._statements(dialect).memo(history.statements)
+            row = conn.execute(hs.select_held, params).first()
+            if row is None:
+                return False
+            params["history"] = failure.appended_to(row.attempt_history, row.attempts, int(row.now))
+            return bool(conn.execute(hs.retry, params).rowcount == 1)
+
+        held = self._runner.run(using, op, "transaction")
+        observe.count("retried" if held else "lock_lost", self.name)
+        return held
 
     def _extend(self, d: Delivery, by: dt.timedelta, using: Using) -> bool:
         by_ms = duration_ms(by, "by")
@@ -307,18 +341,30 @@ class DelayedQueue:
 
         return self._runner.run(using, op, "statement")
 
-    def _dead_letter(self, d: Delivery, error: str | None, using: Using) -> bool:
-        return self._dead_letter_held([(d.id, d.lock_token, error)], using) == 1
+    def _dead_letter(
+        self, d: Delivery, error: str | None, using: Using, exception: BaseException | None = None
+    ) -> bool:
+        held = self._dead_letter_held([(d.id, d.lock_token, error)], using, exception) == 1
+        if not held:
+            observe.count("lock_lost", self.name)
+        return held
 
-    def _dead_letter_held(self, held: Sequence[tuple[int, str, str | None]], using: Using) -> int:
-        """Move held messages ``(id, token, error)`` to the dead letters, in one transaction; how many."""
+    def _dead_letter_held(
+        self, held: Sequence[tuple[int, str, str | None]], using: Using, exception: BaseException | None = None
+    ) -> int:
+        """Move held messages ``(id, token, error)`` to the dead letters, in one transaction; how many.
+
+        Each one's attempt history gets this last failure (with ``exception``'s traceback, if any).
+        """
+        failures = {error: history.Failure.capture(error, exception) for _, _, error in held}
 
         def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
+            hs = stmts.memo(history.statements)
             moved = 0
             for msg_id, token, error in held:
                 params = {"msg_id": msg_id, "token": token, **self._now_param()}
-                row = conn.execute(stmts.select_held, params).first()
+                row = conn.execute(hs.select_held, params).first()
                 if row is None:
                     continue
                 conn.execute(
@@ -332,13 +378,37 @@ class DelayedQueue:
                         "created_at": row.created_at,
                         "attempts": row.attempts,
                         "last_error": error,
+                        "attempt_history": failures[error].appended_to(row.attempt_history, row.attempts, int(row.now)),
+                        "headers": row.headers,
                         "failed_at": row.now,
                     },
                 )
                 moved += conn.execute(stmts.delete_held, params).rowcount
             return moved
 
-        return self._runner.run(using, op, "transaction")
+        moved = self._runner.run(using, op, "transaction")
+        observe.count("dead_lettered", self.name, moved)
+        return moved
+
+    def attempt_history(self, key: str, *, using: Using = None) -> tuple[history.AttemptRecord, ...]:
+        """The failed attempts of the message under ``key``, oldest first (empty when none, or no message)."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> tuple[history.AttemptRecord, ...]:
+            stored = conn.execute(self._statements(dialect).memo(history.statements).history_of, params)
+            return history.parse(stored.scalar())
+
+        return self._runner.run(using, op, "read")
+
+    def headers(self, key: str, *, using: Using = None) -> dict[str, str]:
+        """The headers an offer stored with the message under ``key`` (the trace context, with tracing on)."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> dict[str, str]:
+            stored = conn.execute(self._statements(dialect).memo(history.statements).headers_of, params)
+            return history.load_headers(stored.scalar())
+
+        return self._runner.run(using, op, "read")
 
     # -- operations on queued messages ---------------------------------------------------------
     def get(self, key: str, *, using: Using = None) -> Message | None:
@@ -346,7 +416,7 @@ class DelayedQueue:
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
         def op(conn: Connection, dialect: Dialect) -> Message | None:
-            row = conn.execute(self._statements(dialect).get, params).first()
+            row = conn.execute(self._statements(dialect).memo(history.statements).get, params).first()
             if row is None:
                 return None
             return Message(
@@ -358,6 +428,7 @@ class DelayedQueue:
                 attempts=row.attempts,
                 last_error=row.last_error,
                 locked=row.lock_token is not None,
+                attempt_history=history.parse(row.attempt_history),
             )
 
         return self._runner.run(using, op, "read")
@@ -413,7 +484,7 @@ class DelayedQueue:
         params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
 
         def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
-            rows = conn.execute(self._statements(dialect).dead_letters, params).all()
+            rows = conn.execute(self._statements(dialect).memo(history.statements).dead_letters, params).all()
             return [
                 DeadMessage(
                     id=r.id,
@@ -424,6 +495,7 @@ class DelayedQueue:
                     attempts=r.attempts,
                     last_error=r.last_error,
                     failed_at=from_ms(r.failed_at),
+                    attempt_history=history.parse(r.attempt_history),
                 )
                 for r in rows
             ]
@@ -431,19 +503,24 @@ class DelayedQueue:
         return self._runner.run(using, op, "read")
 
     def requeue_dead(self, key: str, *, using: Using = None) -> bool:
-        """Move the newest dead letter under ``key`` back into the queue, due now, attempts reset.
+        """Move the newest dead letter under ``key`` back into the queue, due now.
 
-        False when there is none, or when a live message already holds the key (it stays dead).
+        It keeps its ``last_error`` and attempt history (earlier attempts stay numbered as they
+        were); its ``attempts`` count starts afresh, so it gets its handler's whole retry budget
+        again. False when there is none, or when a live message already holds the key (it stays dead).
         """
         params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
 
         def op(conn: Connection, dialect: Dialect) -> bool:
             stmts = self._statements(dialect)
-            row = conn.execute(stmts.dead_latest, params).first()
+            row = conn.execute(stmts.memo(history.statements).dead_latest, params).first()
             if row is None or not dialect.insert_if_absent(
                 conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
             ):
                 return False
+            if row.last_error is not None or row.attempt_history is not None or row.headers is not None:
+                restore = {**params, "error": row.last_error, "history": row.attempt_history, "headers": row.headers}
+                conn.execute(stmts.memo(history.statements).restore_requeued, restore)
             conn.execute(stmts.dead_delete, {"dead_id": row.id})
             return True
 

@@ -31,6 +31,20 @@ class Tables:
     messages: sa.Table
     dead_letters: sa.Table
     schedules: sa.Table
+    topics: TopicTables
+
+
+@dataclass(frozen=True, eq=False)
+class TopicTables:
+    """The tables of topics (``delayq.topics``); see docs/topics.md for each one."""
+
+    topics: sa.Table
+    heads: sa.Table
+    log: sa.Table
+    deliveries: sa.Table
+    leases: sa.Table
+    offsets: sa.Table
+    subscribers: sa.Table
 
 
 def _message_columns() -> list[sa.Column[Any]]:
@@ -77,6 +91,8 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("lock_token", sa.String(36), nullable=True),
         sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
         sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("attempt_history", sa.Text, nullable=True),
+        sa.Column("headers", sa.Text, nullable=True),
         sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
         sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
         sa.Index(f"{prefix}messages_lock_ix", "lock_token"),
@@ -90,6 +106,8 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("created_at", sa.BigInteger, nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),
         sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("attempt_history", sa.Text, nullable=True),
+        sa.Column("headers", sa.Text, nullable=True),
         sa.Column("failed_at", sa.BigInteger, nullable=False),
         sa.Index(f"{prefix}dead_letters_queue_key_ix", "queue", "key"),
         sa.Index(f"{prefix}dead_letters_failed_ix", "queue", "failed_at"),
@@ -109,7 +127,116 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("installed_until", sa.BigInteger, nullable=True),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters, schedules)
+    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md))
+
+
+MAX_TOPIC_LENGTH = 100
+MAX_GROUP_LENGTH = 100
+MAX_SUBSCRIBER_LENGTH = 200
+MAX_MESSAGE_ID_LENGTH = 200
+MAX_LOG_ID_LENGTH = MAX_GROUP_LENGTH + 1 + MAX_MESSAGE_ID_LENGTH
+"""A dead letter's id is ``{group}:{id}``: each group's dead letter of one message is a row of its own."""
+
+
+def make_topic_tables(prefix: str, md: sa.MetaData) -> TopicTables:
+    """The topic tables, ``{prefix}topic*``, in ``md`` (``make_tables`` adds them to every table set)."""
+
+    def group_topic_partition() -> list[sa.Column[Any]]:
+        return [
+            sa.Column("consumer_group", name_type(MAX_GROUP_LENGTH), primary_key=True),
+            sa.Column("topic", name_type(MAX_TOPIC_LENGTH), primary_key=True),
+            sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+        ]
+
+    # One row per topic: its partition count, fixed when it was created.
+    topics = sa.Table(
+        f"{prefix}topics",
+        md,
+        sa.Column("topic", name_type(MAX_TOPIC_LENGTH), primary_key=True),
+        sa.Column("partitions", sa.Integer, nullable=False),
+        sa.Column("created_at", sa.BigInteger, nullable=False),
+        **TABLE_OPTIONS,
+    )
+    # One row per partition: the last offset given out (publishers lock it: offsets follow commit
+    # order) and the offset up to which the log was collected.
+    heads = sa.Table(
+        f"{prefix}topic_heads",
+        md,
+        sa.Column("topic", name_type(MAX_TOPIC_LENGTH), primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("head", sa.BigInteger, nullable=False),
+        sa.Column("collected", sa.BigInteger, nullable=False),
+        **TABLE_OPTIONS,
+    )
+    # The immutable log, shared by every consumer group. Dead letters are rows of the topic
+    # ``{topic}_dlq`` with the failure columns set.
+    log = sa.Table(
+        f"{prefix}topic_log",
+        md,
+        sa.Column("topic", name_type(MAX_TOPIC_LENGTH), primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("message_offset", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("partition_key", name_type(MAX_KEY_LENGTH), nullable=False),
+        sa.Column("message_id", name_type(MAX_LOG_ID_LENGTH), nullable=False),
+        sa.Column("payload", Payload, nullable=False),
+        sa.Column("payload_type", sa.String(100), nullable=False),
+        sa.Column("published_at", sa.BigInteger, nullable=False),
+        sa.Column("original_topic", name_type(MAX_TOPIC_LENGTH), nullable=True),
+        sa.Column("original_offset", sa.BigInteger, nullable=True),
+        sa.Column("failed_group", name_type(MAX_GROUP_LENGTH), nullable=True),
+        sa.Column("failed_at", sa.BigInteger, nullable=True),
+        sa.Column("failure_count", sa.Integer, nullable=True),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.UniqueConstraint("topic", "partition_key", "message_id", name=f"{prefix}topic_log_id_uq"),
+        **TABLE_OPTIONS,
+    )
+    # Per group, the messages above its watermark that were delivered: status 0 pending (in flight
+    # or waiting out a nack), 1 acked, 2 dead-lettered. Deleted once the watermark passes them.
+    deliveries = sa.Table(
+        f"{prefix}topic_deliveries",
+        md,
+        *group_topic_partition(),
+        sa.Column("message_offset", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("status", sa.SmallInteger, nullable=False),
+        sa.Column("invisible_until", sa.BigInteger, nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False),
+        sa.Column("last_error", sa.Text, nullable=True),
+        **TABLE_OPTIONS,
+    )
+    # Per group and partition: who holds it, until when, and the fencing epoch (raised on every acquisition).
+    leases = sa.Table(
+        f"{prefix}topic_leases",
+        md,
+        *group_topic_partition(),
+        sa.Column("holder", name_type(MAX_SUBSCRIBER_LENGTH), nullable=True),
+        sa.Column("epoch", sa.BigInteger, nullable=False),
+        sa.Column("acquired_at", sa.BigInteger, nullable=False),
+        sa.Column("expires_at", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}topic_leases_holder_ix", "holder"),
+        **TABLE_OPTIONS,
+    )
+    # Per group and partition: the watermark (every offset at or below it is done for the group).
+    offsets = sa.Table(
+        f"{prefix}topic_offsets",
+        md,
+        *group_topic_partition(),
+        sa.Column("acked_offset", sa.BigInteger, nullable=False),
+        sa.Column("updated_at", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}topic_offsets_topic_ix", "topic", "partition"),
+        **TABLE_OPTIONS,
+    )
+    # Per group: its subscribers' heartbeats (the live ones share the partitions).
+    subscribers = sa.Table(
+        f"{prefix}topic_subscribers",
+        md,
+        sa.Column("consumer_group", name_type(MAX_GROUP_LENGTH), primary_key=True),
+        sa.Column("topic", name_type(MAX_TOPIC_LENGTH), primary_key=True),
+        sa.Column("subscriber", name_type(MAX_SUBSCRIBER_LENGTH), primary_key=True),
+        sa.Column("heartbeat_at", sa.BigInteger, nullable=False),
+        sa.Column("deregistered_at", sa.BigInteger, nullable=True),
+        **TABLE_OPTIONS,
+    )
+    return TopicTables(topics, heads, log, deliveries, leases, offsets, subscribers)
 
 
 _default = make_tables()

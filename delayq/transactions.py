@@ -49,6 +49,24 @@ class TransientRetry:
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.first_delay * 2**attempt))
 
+    def pause_after(
+        self, exc: DBAPIError, attempt: int, deadline: float, dialect: Dialect, engine: Engine
+    ) -> float | None:
+        """After failed ``attempt`` (1 for the first) raised ``exc``: how long to pause before the next
+        one (logged), or None when ``exc`` is not transient or the attempts or the time (``deadline``,
+        a ``time.monotonic()`` value) are spent. Both the sync and the async retry loops ask this."""
+        pause = self.delay(attempt)
+        if not dialect.is_transient(exc) or attempt >= self.attempts or time.monotonic() + pause > deadline:
+            return None
+        log.warning(
+            "transient database error, retrying in %.3fs (attempt %d of %d): %s",
+            pause,
+            attempt + 1,
+            self.attempts,
+            type(exc.orig).__name__ if engine.hide_parameters else exc.orig,
+        )
+        return pause
+
 
 DEFAULT_RETRY = TransientRetry()
 
@@ -89,18 +107,10 @@ class Runner:
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
-                pause = self.retry.delay(attempt)
-                spent = attempt >= self.retry.attempts or time.monotonic() + pause > deadline
-                if not self.dialect.is_transient(exc) or spent:
+                pause = self.retry.pause_after(exc, attempt, deadline, self.dialect, engine)
+                if pause is None:
                     self._raise_if_schema_missing(exc)
                     raise
-                log.warning(
-                    "transient database error, retrying in %.3fs (attempt %d of %d): %s",
-                    pause,
-                    attempt + 1,
-                    self.retry.attempts,
-                    type(exc.orig).__name__ if engine.hide_parameters else exc.orig,
-                )
                 time.sleep(pause)
 
     @contextlib.contextmanager
@@ -155,13 +165,15 @@ def _refuse_async(value: object) -> None:
         return
     if isinstance(value, asyncio_ext.AsyncEngine):
         raise TypeError(
-            "delayq's queue takes a sync Engine, not an AsyncEngine: pass async_engine.sync_engine "
+            "delayq's queue takes a sync Engine, not an AsyncEngine: for asyncio use "
+            "delayq.aio.AsyncDelayedQueue(async_engine, ...), or pass async_engine.sync_engine "
             "(the same pool and URL), or build one with sqlalchemy.create_engine"
         )
     if isinstance(value, asyncio_ext.AsyncConnection | asyncio_ext.AsyncSession):
         kind = type(value).__name__
         name = "session" if kind == "AsyncSession" else "conn"
         raise TypeError(
-            f"using= takes a sync Connection or Session, not an {kind}: run the operation inside "
+            f"using= takes a sync Connection or Session, not an {kind}: use delayq.aio.AsyncDelayedQueue "
+            f"(`await queue.offer(..., using={name})`), or run the operation inside "
             f"`await {name}.run_sync(lambda sync: queue.offer(..., using=sync))`"
         )

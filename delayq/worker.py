@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -19,14 +20,17 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import ClassVar
 
 import sqlalchemy as sa
 
+from delayq import observe
 from delayq.clock import Clock
 from delayq.cron import ScheduleRunner, schedules_for
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
+from delayq.humanize import human
 from delayq.leases import Lease, Leases, describe
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
@@ -97,6 +101,9 @@ class Worker:
     handler never reaches an outcome (its process dies every time) goes to the dead letters.
     """
 
+    #: Whether ``handle`` may be a coroutine function (``delayq.aio.AsyncWorker``); here it may not.
+    runs_coroutines: ClassVar[bool] = False
+
     def __init__(
         self,
         engine: sa.Engine,
@@ -126,6 +133,10 @@ class Worker:
             name = getattr(h, "queue", None)
             if not isinstance(name, str):
                 raise InvalidInputError(f"{type(h).__name__} must set the class attribute `queue`")
+            if inspect.iscoroutinefunction(h.handle) and not self.runs_coroutines:
+                raise InvalidInputError(
+                    f"{type(h).__name__}.handle is a coroutine (async def): run it with delayq.aio.AsyncWorker"
+                )
             if name in self._queues:
                 raise InvalidInputError(f"two handlers for queue {name!r}")
             q = DelayedQueue(
@@ -355,7 +366,8 @@ class Worker:
             if handler.transactional:
                 self._handle_in_transaction(handler, queue, delivery)
             else:
-                handler.handle(delivery)
+                with observe.handling(delivery):  # the delivery log, metrics and tracing hear of it
+                    handler.handle(delivery)
                 to_ack = True
         except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
@@ -380,13 +392,14 @@ class Worker:
         try:
             if give_up:
                 log.warning("%s: attempt %d failed, dead-lettered: %s", delivery.label, delivery.attempts, error)
-                held = delivery.dead_letter(error)
+                held = delivery.dead_letter(error, exception=exc)
             else:
                 delay = exc.after if isinstance(exc, Retry) else None
                 delay = handler.retry.delay(delivery.attempts) if delay is None else delay
                 what = "retry requested" if isinstance(exc, Retry) else "failed"
-                log.info("%s: attempt %d %s, next in %s: %s", delivery.label, delivery.attempts, what, delay, error)
-                held = delivery.retry(delay, error)
+                next_in = human(delay)
+                log.info("%s: attempt %d %s, next in %s: %s", delivery.label, delivery.attempts, what, next_in, error)
+                held = delivery.retry(delay, error, exception=exc)
             if not held and not lease.lost:  # (a lost lock the heartbeat found is logged already)
                 log.warning("%s: lock lost before the outcome was recorded", delivery.label)
         except Exception as db_error:
@@ -403,7 +416,8 @@ class Worker:
         try:
             with queue.transaction() as conn:
                 begun = True
-                handler.handle(delivery, conn)
+                with observe.handling(delivery):  # begun: from here on it is an attempt
+                    handler.handle(delivery, conn)
                 if not delivery.ack(using=conn):
                     conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)

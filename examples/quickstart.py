@@ -1,7 +1,9 @@
 """delayq in one file: migrate, offer (also inside your own ORM transaction), poll, ack, retry.
 
-Run it with `scripts/demo`, or `python examples/quickstart.py [DATABASE_URL]` where delayq is
-installed. It uses SQLite (delayq-quickstart.db) unless given another URL.
+Run it with `python examples/quickstart.py [DATABASE_URL]` where delayq is installed (after
+`scripts/demo`, which installs it into `.venv`: `.venv/bin/python examples/quickstart.py`). It uses
+SQLite (delayq-quickstart.db) unless given another URL. `scripts/demo` runs `delayq demo`, a tour with
+a worker, retries and a cron schedule.
 """
 
 from __future__ import annotations

@@ -160,11 +160,19 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def make_queue(engine: sa.Engine, queue_name: str, clock: ManualClock) -> Callable[..., DelayedQueue]:
-    """Queues on the test's engine and queue name, on the manual clock unless told otherwise."""
+def make_queue(
+    engine: sa.Engine, queue_name: str, clock: ManualClock, api: str, request: pytest.FixtureRequest
+) -> Callable[..., DelayedQueue]:
+    """Queues on the test's engine and queue name, on the manual clock unless told otherwise.
+
+    With ``api == "async"`` (the contract modules, see ``api``) the queue is a ``delayq.aio``
+    queue behind the sync surface (``SyncFacade``).
+    """
 
     def make(**kwargs: Any) -> DelayedQueue:
         kwargs.setdefault("clock", clock)
+        if api == "async":
+            return facade_queue(request.getfixturevalue("aio_runner"), engine, queue_name, **kwargs)
         return DelayedQueue(kwargs.pop("engine", engine), kwargs.pop("name", queue_name), **kwargs)
 
     return make
@@ -184,3 +192,153 @@ def count_rows(engine: sa.Engine, queue_name: str) -> int:
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the async API (delayq.aio) ---------------------------------------------------------------
+AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions"}
+"""Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
+AIO_SYNC_ONLY = {
+    # Each builds sync engines of its own (connect_args, statement listeners) for the queue;
+    # tests/test_aio_transactions.py covers retries and errors of the async API.
+    "test_delayqs_own_transaction_is_retried_after_a_lock_timeout",
+    "test_a_callers_transaction_gets_the_transient_error_unretried",
+    "test_statement_listeners_see_every_statement_of_delayqs_own_operations",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if (
+        "api" in metafunc.fixturenames
+        and metafunc.module.__name__ in AIO_CONTRACT_MODULES
+        and metafunc.function.__name__ not in AIO_SYNC_ONLY
+    ):
+        metafunc.parametrize("api", ["sync", "async"], indirect=True)
+
+
+@pytest.fixture
+def api(request: pytest.FixtureRequest) -> str:
+    """Which API ``make_queue`` hands out: "sync", or "async" (``delayq.aio`` run on an event loop)."""
+    return str(getattr(request, "param", "sync"))
+
+
+def async_url(url: str) -> str:
+    """The async driver's URL for a sync test URL: aiosqlite, psycopg (async), asyncmy."""
+    parsed = sa.make_url(url)
+    driver = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg", "mysql": "mysql+asyncmy"}
+    return parsed.set(drivername=driver[parsed.get_backend_name()]).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def aio_loop() -> Iterator[Any]:
+    """One event loop for the tests that drive ``delayq.aio`` from sync code (``run_until_complete``)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    yield loop
+    for engine in _aio_engines.values():
+        loop.run_until_complete(engine.dispose())
+    _aio_engines.clear()
+    loop.close()
+
+
+@pytest.fixture
+def aio_runner(backend: Backend, aio_loop: Any) -> SyncRunner:
+    """The backend's ``AsyncEngine`` (one per backend) and ``aio_loop``, to run coroutines from sync tests."""
+    if backend.url not in _aio_engines:
+        _aio_engines[backend.url] = make_async_engine(backend.url)
+    return SyncRunner(_aio_engines[backend.url], aio_loop)
+
+
+_aio_engines: dict[str, Any] = {}
+
+
+def make_async_engine(url: str, **kwargs: Any) -> Any:
+    """An ``AsyncEngine`` on the database of a sync test URL; SQLite as ``make_engine`` sets it up."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    if url.startswith("sqlite"):
+        kwargs["connect_args"] = {"timeout": 30.0, **kwargs.pop("connect_args", {})}
+        engine = create_async_engine(async_url(url), **kwargs)
+
+        @sa.event.listens_for(engine.sync_engine, "connect")
+        def _wal(dbapi_conn: Any, _: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.close()
+
+        return engine
+    return create_async_engine(async_url(url), **{"pool_size": 20, "max_overflow": 20, **kwargs})
+
+
+@dataclass
+class SyncRunner:
+    """An ``AsyncEngine`` and the event loop its coroutines run on, called from sync test code."""
+
+    engine: Any
+    loop: Any
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+
+class SyncFacade:
+    """A ``delayq.aio`` object behind the sync API's surface: each coroutine method runs to completion
+    on the event loop; sync ``using=`` objects and deliveries are translated both ways. The sync
+    ``Connection`` / ``Session`` a test passes becomes an ``AsyncConnection`` / ``AsyncSession`` over
+    it, so the async API joins the test's transaction exactly as it would join an async one."""
+
+    def __init__(self, target: Any, runner: SyncRunner, sync_engine: sa.Engine) -> None:
+        self._target, self._runner, self._sync_engine = target, runner, sync_engine
+
+    def __repr__(self) -> str:
+        return f"SyncFacade({self._target!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        import inspect
+
+        if name == "engine":
+            return self._sync_engine
+        value = getattr(self._target, name)
+        if not inspect.iscoroutinefunction(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(self._inward(a) for a in args)
+            kwargs = {k: self._inward(v) for k, v in kwargs.items()}
+            return self._outward(self._runner.run(value(*args, **kwargs)))
+
+        return call
+
+    def _inward(self, value: Any) -> Any:
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+        from sqlalchemy.orm import Session
+
+        if isinstance(value, SyncFacade):
+            return value._target
+        if isinstance(value, list | tuple):
+            return type(value)(self._inward(v) for v in value)
+        if isinstance(value, sa.Engine):
+            return self._runner.engine
+        if isinstance(value, sa.Connection):
+            return AsyncConnection(self._runner.engine, value)
+        if isinstance(value, Session):
+            return AsyncSession(sync_session_class=lambda **_: value)
+        return value
+
+    def _outward(self, value: Any) -> Any:
+        from delayq.aio import AsyncDelivery
+
+        if isinstance(value, AsyncDelivery):
+            return SyncFacade(value, self._runner, self._sync_engine)
+        if isinstance(value, list | tuple):
+            return type(value)(self._outward(v) for v in value)
+        return value
+
+
+def facade_queue(runner: SyncRunner, sync_engine: sa.Engine, queue_name: str, **kwargs: Any) -> Any:
+    """An ``AsyncDelayedQueue`` on the runner's engine behind the sync surface."""
+    from delayq.aio import AsyncDelayedQueue
+
+    if "engine" in kwargs:
+        raise ValueError("the async API's queues run on the backend's AsyncEngine")
+    return SyncFacade(AsyncDelayedQueue(runner.engine, kwargs.pop("name", queue_name), **kwargs), runner, sync_engine)

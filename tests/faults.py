@@ -51,6 +51,8 @@ class ProxyStats:
     """Connections closed by :meth:`FaultProxy.cut_all`."""
     open: int
     """Connections open now."""
+    armed: int = 0
+    """Cuts armed by :meth:`FaultProxy.cut_after` that have not fired yet."""
 
 
 @dataclass
@@ -165,7 +167,7 @@ class FaultProxy:
     @property
     def stats(self) -> ProxyStats:
         with self._cond:
-            return ProxyStats(self._accepted, self._cut, self._dropped, len(self._links))
+            return ProxyStats(self._accepted, self._cut, self._dropped, len(self._links), len(self._cuts))
 
     # Lifecycle
 

@@ -28,6 +28,7 @@ def test_example_runs(backend: Backend, example: str) -> None:
         "retries.py": "charged order-busy-gateway on attempt 3",
         "cron_schedule.py": "report for Fri 11 Jan 09:00",
         "spark_pipeline.py": "run 2: created 0, updated 0, ignored 2000",
+        "fastapi_app.py": "confirmation sent for order",
     }[example]
     assert expected in out
 

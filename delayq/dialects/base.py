@@ -9,15 +9,18 @@ transaction, and how to read its driver's error codes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.schema import Tables
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 S = TypeVar("S")
 
@@ -132,6 +135,8 @@ class Statements:
                 lock_token=None,
                 attempts=0,
                 last_error=None,
+                attempt_history=None,
+                headers=None,
             )
         )
         self.mark_claimed = (
@@ -343,6 +348,10 @@ class Dialect:
         """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``)."""
         raise NotImplementedError(f"{self.name} has no notifications")
 
+    def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+        """``listen`` for an ``AsyncEngine``: the queue names notified on ``channel`` (where ``can_notify``)."""
+        raise NotImplementedError(f"{self.name} has no notifications")
+
     # -- transactions ---------------------------------------------------------------------------
     #: Whether the claim is one statement (then it needs no explicit transaction).
     claim_mode: ClassVar[Mode] = "transaction"
@@ -452,6 +461,11 @@ class Dialect:
         if not ids:
             return 0
         return int(conn.execute(stmts.delete_ids, {"ids": ids}).rowcount)
+
+    # Topics ------------------------------------------------------------------------------------
+    def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
+        """An INSERT that, for a row whose ``keys`` exist, updates ``set_`` instead (or does nothing when None)."""
+        raise NotImplementedError
 
 
 def candidate_rows(stmts: Statements) -> sa.Select[Any]:

@@ -169,6 +169,14 @@ class MySQLDialect(Dialect):
             raise
         return True
 
+    # Topics
+    def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
+        # ON DUPLICATE KEY UPDATE; "do nothing" assigns a key column to itself (never INSERT IGNORE).
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        insert = mysql_insert(table)
+        return insert.on_duplicate_key_update(dict(set_) if set_ is not None else {keys[0]: table.c[keys[0]]})
+
 
 def _due_ids(stmts: Statements, limit: int) -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name``, read without locks."""

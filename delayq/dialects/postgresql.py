@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -16,6 +16,9 @@ from sqlalchemy.exc import DBAPIError
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
 # cannot_connect_now, and the connection_exception class.
@@ -73,6 +76,11 @@ class PostgresDialect(Dialect):
 
     def notify_statement(self, tables: Tables) -> sa.Executable:
         return sa.select(sa.func.pg_notify(tables.messages.name, sa.bindparam("queue_name", type_=sa.String)))
+
+    def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+        from delayq.dialects.postgresql_async import notifications
+
+        return notifications(engine, channel)
 
     def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
         from psycopg import sql as psycopg_sql
@@ -195,6 +203,13 @@ class PostgresDialect(Dialect):
 
     def delete_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> int:
         return int(conn.execute(stmts.memo(_delete_held_statement), params).rowcount)
+
+    # Topics
+    def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
+        insert = pg_insert(table)
+        if set_ is None:
+            return insert.on_conflict_do_nothing(index_elements=list(keys))
+        return insert.on_conflict_do_update(index_elements=list(keys), set_=dict(set_))
 
 
 def _picked_held(stmts: Statements) -> sa.CTE:

@@ -7,6 +7,7 @@ that reads and then writes fails with "database is locked" at once, whatever the
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
@@ -70,3 +71,10 @@ class SQLiteDialect(Dialect):
 
     def insert_skipping_duplicates(self, table: sa.Table) -> sa.Insert:
         return sqlite_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
+
+    # Topics
+    def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
+        insert = sqlite_insert(table)
+        if set_ is None:
+            return insert.on_conflict_do_nothing(index_elements=list(keys))
+        return insert.on_conflict_do_update(index_elements=list(keys), set_=dict(set_))

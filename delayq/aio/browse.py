@@ -1,0 +1,44 @@
+"""The operator views of ``delayq.browse`` on an ``AsyncConnection``: the same statements, awaited."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from delayq import browse
+from delayq.browse import State, StoredMessage
+from delayq.schema import Tables
+
+__all__ = ["list_messages", "queue_names"]
+
+
+async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
+    """Every queue with live messages or dead letters."""
+    return await conn.run_sync(browse.queue_names, tables)
+
+
+async def list_messages(
+    conn: AsyncConnection,
+    tables: Tables,
+    queue: str,
+    *,
+    state: State | None,
+    now: dt.datetime,
+    key_prefix: str | None = None,
+    key: str | None = None,
+    limit: int = 100,
+) -> list[StoredMessage]:
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time; see ``delayq.browse``."""
+    view = functools.partial(
+        browse.list_messages,
+        tables=tables,
+        queue=queue,
+        state=state,
+        now=now,
+        key_prefix=key_prefix,
+        key=key,
+        limit=limit,
+    )
+    return await conn.run_sync(view)

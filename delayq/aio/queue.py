@@ -1,0 +1,323 @@
+"""AsyncDelayedQueue: ``DelayedQueue`` for asyncio applications, on the same statements.
+
+Each method awaits the sync operation of a ``DelayedQueue`` built on ``engine.sync_engine``, run in
+SQLAlchemy's greenlets (see ``delayq.aio.bridge``): one implementation of every operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.orm import Session
+
+from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
+from delayq.clock import Clock
+from delayq.history import AttemptRecord
+from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
+from delayq.queue import At, DelayedQueue
+from delayq.schema import DEFAULT_PREFIX
+from delayq.serializers import Serializer
+from delayq.transactions import DEFAULT_RETRY, TransientRetry
+
+__all__ = ["AsyncDelayedQueue", "AsyncDelivery"]
+
+T = TypeVar("T")
+SyncUsing = Engine | Connection | Session
+
+
+class AsyncDelayedQueue:
+    """One named queue of delayed messages, for coroutines; see ``delayq.DelayedQueue``.
+
+    Args:
+        engine: an ``AsyncEngine`` (psycopg async, asyncmy/aiomysql, aiosqlite) on the database
+            holding delayq's tables.
+        name, visibility_timeout, serializer, clock, table_prefix, schema, notify, max_deliveries:
+            as for ``DelayedQueue`` (the same defaults).
+        transient_retry: how delayq retries its own transactions; the pauses are ``asyncio.sleep``.
+
+    Every method takes ``using=``: None or an ``AsyncEngine`` runs it in delayq's own transaction;
+    an ``AsyncConnection`` or ``AsyncSession`` makes it part of the caller's transaction, which
+    delayq never commits, rolls back or retries.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        name: str,
+        *,
+        visibility_timeout: dt.timedelta = dt.timedelta(minutes=5),
+        serializer: Serializer | None = None,
+        clock: Clock | None = None,
+        table_prefix: str = DEFAULT_PREFIX,
+        schema: str | None = None,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
+        notify: bool = True,
+        max_deliveries: int | None = None,
+    ) -> None:
+        self.bridge = Bridge(engine, transient_retry)
+        self.engine = engine
+        self.sync = DelayedQueue(
+            engine.sync_engine,
+            name,
+            visibility_timeout=visibility_timeout,
+            serializer=serializer,
+            clock=clock,
+            table_prefix=table_prefix,
+            schema=schema,
+            transient_retry=NO_RETRY,
+            notify=notify,
+            max_deliveries=max_deliveries,
+        )
+        """The sync queue whose operations this one runs (its engine is ``engine.sync_engine``)."""
+
+    @property
+    def name(self) -> str:
+        return self.sync.name
+
+    @property
+    def visibility_timeout(self) -> dt.timedelta:
+        return self.sync.visibility_timeout
+
+    def __repr__(self) -> str:
+        return f"AsyncDelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
+
+    async def _run(self, using: AsyncUsing, call: Callable[[SyncUsing], T]) -> T:
+        return await self.bridge.run(using, call)
+
+    # -- producers ------------------------------------------------------------------------------
+    async def offer(
+        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: AsyncUsing = None
+    ) -> OfferOutcome:
+        """Store a message due at ``at`` unless one with this key exists; see ``DelayedQueue.offer``."""
+        return await self._run(using, lambda u: self.sync.offer(key, payload, at, update=update, using=u))
+
+    async def offer_many(
+        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: AsyncUsing = None
+    ) -> list[OfferOutcome]:
+        """Offer ``(key, payload, at)`` items in multi-row statements; see ``DelayedQueue.offer_many``."""
+        listed = list(items)
+        return await self._run(using, lambda u: self.sync.offer_many(listed, update=update, using=u))
+
+    # -- consumers ------------------------------------------------------------------------------
+    async def try_poll(self, *, using: AsyncUsing = None) -> AsyncDelivery | None:
+        """Lock the next due message, or return None when none is due."""
+        found = await self.try_poll_many(1, using=using)
+        return found[0] if found else None
+
+    async def try_poll_many(self, limit: int, *, using: AsyncUsing = None) -> list[AsyncDelivery]:
+        """Lock up to ``limit`` due messages, oldest due first; see ``DelayedQueue.try_poll_many``."""
+        found = await self._run(using, lambda u: self.sync.try_poll_many(limit, using=u))
+        return [AsyncDelivery(d, self) for d in found]
+
+    async def release(self, deliveries: Sequence[AsyncDelivery], *, using: AsyncUsing = None) -> int:
+        """Give deliveries back unprocessed (due at once, the attempt not counted); how many were held."""
+        held = [d.delivery for d in deliveries]
+        return await self._run(using, lambda u: self.sync.release(held, using=u))
+
+    async def ack_many(
+        self, deliveries: Sequence[AsyncDelivery], *, skip_locked: bool = False, using: AsyncUsing = None
+    ) -> int:
+        """Delete delivered messages whose locks these deliveries still hold; how many."""
+        held = [d.delivery for d in deliveries]
+        return await self._run(using, lambda u: self.sync.ack_many(held, skip_locked=skip_locked, using=u))
+
+    async def extend_many(
+        self, deliveries: Sequence[AsyncDelivery], by: dt.timedelta, *, using: AsyncUsing = None
+    ) -> tuple[list[AsyncDelivery], list[AsyncDelivery]]:
+        """Push the locks of held deliveries to ``by`` from now: ``(extended, lost)``."""
+        of = {id(d.delivery): d for d in deliveries}
+        extended, lost = await self._run(
+            using, lambda u: self.sync.extend_many([d.delivery for d in deliveries], by, using=u)
+        )
+        return [of[id(d)] for d in extended], [of[id(d)] for d in lost]
+
+    async def next_due(self, *, using: AsyncUsing = None) -> dt.timedelta | None:
+        """How long until the next message is due (zero when one is due); None when the queue is empty."""
+        return await self._run(using, lambda u: self.sync.next_due(using=u))
+
+    # -- operations on queued messages ---------------------------------------------------------
+    async def attempt_history(self, key: str, *, using: AsyncUsing = None) -> tuple[AttemptRecord, ...]:
+        """The earlier failed attempts of the message (or newest dead letter) under ``key``, oldest first."""
+        return await self._run(using, lambda u: self.sync.attempt_history(key, using=u))
+
+    async def headers(self, key: str, *, using: AsyncUsing = None) -> dict[str, str]:
+        """The headers an offer stored with the message under ``key`` (the trace context, with tracing on)."""
+        return await self._run(using, lambda u: self.sync.headers(key, using=u))
+
+    async def get(self, key: str, *, using: AsyncUsing = None) -> Message | None:
+        """The message stored under ``key``, or None."""
+        return await self._run(using, lambda u: self.sync.get(key, using=u))
+
+    async def cancel(self, key: str, *, using: AsyncUsing = None) -> bool:
+        """Delete the message stored under ``key``; True when there was one."""
+        return await self._run(using, lambda u: self.sync.cancel(key, using=u))
+
+    async def reschedule(self, key: str, at: At = None, *, using: AsyncUsing = None) -> bool:
+        """Make the message under ``key`` due at ``at`` (clearing any lock); True when there was one."""
+        return await self._run(using, lambda u: self.sync.reschedule(key, at, using=u))
+
+    async def stats(self, *, using: AsyncUsing = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one."""
+        return await self._run(using, lambda u: self.sync.stats(using=u))
+
+    async def dead_letters(self, *, limit: int = 100, after_id: int = 0, using: AsyncUsing = None) -> list[DeadMessage]:
+        """This queue's dead letters, oldest first; page with ``after_id``."""
+        return await self._run(using, lambda u: self.sync.dead_letters(limit=limit, after_id=after_id, using=u))
+
+    async def requeue_dead(self, key: str, *, using: AsyncUsing = None) -> bool:
+        """Move the newest dead letter under ``key`` back into the queue, due now; see ``DelayedQueue``."""
+        return await self._run(using, lambda u: self.sync.requeue_dead(key, using=u))
+
+    async def purge_dead(
+        self,
+        *,
+        key: str | None = None,
+        key_prefix: str | None = None,
+        everything: bool = False,
+        using: AsyncUsing = None,
+    ) -> int:
+        """Delete dead letters under ``key``, ``key_prefix``, or all with ``everything=True``; how many."""
+        return await self._run(
+            using, lambda u: self.sync.purge_dead(key=key, key_prefix=key_prefix, everything=everything, using=u)
+        )
+
+    async def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: AsyncUsing = None) -> int:
+        """Delete the messages whose key starts with ``prefix`` (but not ``keep_prefix``); how many."""
+        return await self._run(using, lambda u: self.sync.cancel_prefix(prefix, keep_prefix=keep_prefix, using=u))
+
+    async def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: AsyncUsing = None) -> int:
+        """Of the never-attempted messages under ``prefix`` due by ``now``, keep the newest; how many deleted."""
+        return await self._run(using, lambda u: self.sync.coalesce_overdue(prefix, now, using=u))
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """An ``AsyncConnection`` in a transaction begun as delayq begins its own; committed on success.
+
+        Pass it as ``using=`` to make queue operations part of the same unit of work as yours.
+        """
+        scope = self.sync.transaction()
+        conn = await self.bridge.call(scope.__enter__)
+        try:
+            yield AsyncConnection(self.engine, conn)
+        except BaseException as exc:
+            if not await self.bridge.call(scope.__exit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            await self.bridge.call(scope.__exit__, None, None, None)
+
+
+class AsyncDelivery:
+    """A message held under a lock until it is acked, retried or its lock expires; see ``Delivery``.
+
+    Its fields are the sync ``Delivery``'s (``delivery``); every method is a compare-and-swap on
+    the lock token, awaited.
+    """
+
+    __slots__ = ("delivery", "queue_of")
+
+    def __init__(self, delivery: Delivery, queue: AsyncDelayedQueue) -> None:
+        self.delivery = delivery
+        self.queue_of = queue
+
+    def __repr__(self) -> str:
+        return f"AsyncDelivery({self.delivery!r})"
+
+    @property
+    def id(self) -> int:
+        return self.delivery.id
+
+    @property
+    def key(self) -> str:
+        return self.delivery.key
+
+    @property
+    def payload(self) -> Any:
+        return self.delivery.payload
+
+    @property
+    def attempts(self) -> int:
+        """Deliveries so far, this one included."""
+        return self.delivery.attempts
+
+    @property
+    def scheduled_at(self) -> dt.datetime:
+        """When the message was due for this delivery."""
+        return self.delivery.scheduled_at
+
+    @property
+    def scheduled_at_initially(self) -> dt.datetime:
+        return self.delivery.scheduled_at_initially
+
+    @property
+    def created_at(self) -> dt.datetime:
+        return self.delivery.created_at
+
+    @property
+    def locked_until(self) -> dt.datetime:
+        """When the lock expires unless extended."""
+        return self.delivery.locked_until
+
+    @property
+    def lock_token(self) -> str:
+        return self.delivery.lock_token
+
+    @property
+    def redelivered(self) -> bool:
+        """True when an earlier delivery of this message was not acked."""
+        return self.delivery.redelivered
+
+    @property
+    def queue(self) -> str:
+        return self.delivery.queue
+
+    @property
+    def label(self) -> str:
+        """``queue 'key'`` for logs (``queue #id`` when the engine hides parameters)."""
+        return self.delivery.label
+
+    async def headers(self) -> dict[str, str]:
+        """What the offer stored with the message (the trace context, with tracing on); read from the database."""
+        return await self.queue_of.bridge.call(getattr, self.delivery, "headers")
+
+    async def attempt_history(self) -> tuple[AttemptRecord, ...]:
+        """The message's earlier failed attempts, oldest first (read from the database on first use)."""
+        return await self.queue_of.bridge.call(getattr, self.delivery, "attempt_history")
+
+    async def ack(self, *, using: AsyncUsing = None) -> bool:
+        """Delete the message; True when this delivery still held the lock."""
+        return await self.queue_of.ack_many([self], using=using) == 1
+
+    async def retry(
+        self,
+        delay: dt.timedelta = dt.timedelta(0),
+        error: str | None = None,
+        *,
+        using: AsyncUsing = None,
+        exception: BaseException | None = None,
+    ) -> bool:
+        """Release the message for another attempt after ``delay``, recording ``error``.
+
+        The attempt history gets ``exception``'s type and traceback (by default the exception
+        being handled, when awaited in an ``except`` block).
+        """
+        exc = exception if exception is not None else sys.exc_info()[1]  # (a greenlet has none of its own)
+        return await self.queue_of.bridge.run(
+            using, lambda u: self.delivery.retry(delay, error, using=u, exception=exc)
+        )
+
+    async def extend(self, by: dt.timedelta, *, using: AsyncUsing = None) -> bool:
+        """Push the lock's expiry to ``by`` from now (a heartbeat for long work)."""
+        return await self.queue_of.bridge.run(using, lambda u: self.delivery.extend(by, using=u))
+
+    async def dead_letter(
+        self, error: str | None = None, *, using: AsyncUsing = None, exception: BaseException | None = None
+    ) -> bool:
+        """Move the message to the dead letters, recording ``error`` (and ``exception``, as ``retry``)."""
+        exc = exception if exception is not None else sys.exc_info()[1]
+        return await self.queue_of.bridge.run(using, lambda u: self.delivery.dead_letter(error, using=u, exception=exc))

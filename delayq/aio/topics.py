@@ -1,0 +1,174 @@
+"""AsyncTopic and AsyncSubscription: topics for asyncio applications, on the same statements.
+
+Each method awaits the sync operation of a ``Topic`` / ``Subscription`` built on
+``engine.sync_engine``, run in SQLAlchemy's greenlets (``delayq.aio.bridge``). Polls return the
+sync API's ``TopicDelivery`` records; in a coroutine, act on them through the subscription
+(``await sub.ack(delivery)``), never through their own blocking methods.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.orm import Session
+
+from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
+from delayq.messages import OfferOutcome
+from delayq.topics import PartitionInfo, Subscription, Topic, TopicDelivery
+from delayq.transactions import DEFAULT_RETRY, TransientRetry
+
+__all__ = ["AsyncSubscription", "AsyncTopic"]
+
+T = TypeVar("T")
+SyncUsing = Engine | Connection | Session
+
+
+class AsyncTopic:
+    """A partitioned, append-only log of messages, for coroutines; see ``delayq.Topic``.
+
+    Takes an ``AsyncEngine`` and ``Topic``'s keyword arguments; ``using=`` takes an
+    ``AsyncConnection`` or ``AsyncSession`` (the caller's transaction: a transactional publish).
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, name: str, *, transient_retry: TransientRetry = DEFAULT_RETRY, **options: Any
+    ) -> None:
+        self.bridge = Bridge(engine, transient_retry)
+        self.sync = Topic(engine.sync_engine, name, transient_retry=NO_RETRY, **options)
+        """The sync topic whose operations this one runs."""
+
+    @property
+    def name(self) -> str:
+        return self.sync.name
+
+    def __repr__(self) -> str:
+        return f"AsyncTopic({self.name!r})"
+
+    async def create(self, partitions: int, *, using: AsyncUsing = None) -> int:
+        """Create the topic with ``partitions`` partitions (idempotent); its partition count."""
+        return await self.bridge.run(using, lambda u: self.sync.create(partitions, using=u))
+
+    async def partitions(self, *, using: AsyncUsing = None) -> int:
+        """The topic's partition count."""
+        return await self.bridge.run(using, lambda u: self.sync.partitions(using=u))
+
+    async def publish(
+        self, partition_key: str, message_id: str, payload: Any, *, using: AsyncUsing = None
+    ) -> OfferOutcome:
+        """Append a message unless ``(partition_key, message_id)`` is already in the log."""
+        return await self.bridge.run(using, lambda u: self.sync.publish(partition_key, message_id, payload, using=u))
+
+    async def publish_many(
+        self, items: Iterable[tuple[str, str, Any]], *, using: AsyncUsing = None
+    ) -> list[OfferOutcome]:
+        """Publish ``(partition_key, message_id, payload)`` items; one outcome per item, in order."""
+        listed = list(items)
+        return await self.bridge.run(using, lambda u: self.sync.publish_many(listed, using=u))
+
+    async def heads(self, *, using: AsyncUsing = None) -> list[PartitionInfo]:
+        """Each partition's head offset."""
+        return await self.bridge.run(using, lambda u: self.sync.heads(using=u))
+
+    async def collect_garbage(self, *, using: AsyncUsing = None) -> int:
+        """Delete log rows every consumer group has passed; how many."""
+        return await self.bridge.run(using, lambda u: self.sync.collect_garbage(using=u))
+
+
+class AsyncSubscription:
+    """One subscriber of a consumer group, for coroutines; see ``delayq.Subscription``.
+
+    Takes an ``AsyncEngine`` and ``Subscription``'s arguments. Every operation on a delivery is
+    fenced by the partition's lease epoch and the delivery's attempt, as in the sync API.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        topic: str,
+        group: str,
+        name: str,
+        *,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
+        **options: Any,
+    ) -> None:
+        self.bridge = Bridge(engine, transient_retry)
+        self.sync = Subscription(engine.sync_engine, topic, group, name, transient_retry=NO_RETRY, **options)
+        """The sync subscription whose operations this one runs."""
+
+    def __repr__(self) -> str:
+        return f"AsyncSubscription({self.sync.topic!r}, group={self.sync.group!r}, name={self.sync.name!r})"
+
+    @property
+    def held(self) -> dict[int, int]:
+        """The partitions this subscriber holds, with their lease epochs."""
+        return self.sync.held
+
+    async def _run(self, using: AsyncUsing, call: Callable[[SyncUsing], T]) -> T:
+        return await self.bridge.run(using, call)
+
+    async def join(self, *, using: AsyncUsing = None) -> None:
+        """Create the group's rows if missing and register this subscriber."""
+        await self._run(using, lambda u: self.sync.join(using=u))
+
+    async def heartbeat(self, *, using: AsyncUsing = None) -> None:
+        """Tell the group this subscriber is alive."""
+        await self._run(using, lambda u: self.sync.heartbeat(using=u))
+
+    async def rebalance(self, *, busy: Collection[int] = (), using: AsyncUsing = None) -> dict[int, int]:
+        """Renew, release and take leases toward a fair share; the partitions held, with epochs."""
+        return await self._run(using, lambda u: self.sync.rebalance(busy=busy, using=u))
+
+    async def close(self, *, using: AsyncUsing = None) -> None:
+        """Release every lease and deregister: the other subscribers take over at once."""
+        await self._run(using, lambda u: self.sync.close(using=u))
+
+    async def poll(self, limit: int = 10, *, using: AsyncUsing = None) -> list[TopicDelivery]:
+        """Up to ``limit`` deliverable messages of the held partitions, in offset order per partition."""
+        return await self._run(using, lambda u: self.sync.poll(limit, using=u))
+
+    async def advance_watermarks(self, *, using: AsyncUsing = None) -> dict[int, int]:
+        """Move each held partition's watermark past its contiguously acked offsets."""
+        return await self._run(using, lambda u: self.sync.advance_watermarks(using=u))
+
+    async def watermarks(self, *, using: AsyncUsing = None) -> dict[int, int]:
+        """The group's watermark per partition."""
+        return await self._run(using, lambda u: self.sync.watermarks(using=u))
+
+    async def ack(self, delivery: TopicDelivery, *, using: AsyncUsing = None) -> bool:
+        """Mark ``delivery`` done; False when the lease or the delivery was lost."""
+        return await self._run(using, lambda u: self.sync.ack(delivery, using=u))
+
+    async def ack_many(self, deliveries: list[TopicDelivery], *, using: AsyncUsing = None) -> list[bool]:
+        """``ack`` each delivery (one transaction per partition); one result per delivery."""
+        return await self._run(using, lambda u: self.sync.ack_many(deliveries, using=u))
+
+    async def nack(
+        self,
+        delivery: TopicDelivery,
+        delay: dt.timedelta = dt.timedelta(0),
+        error: str | None = None,
+        *,
+        using: AsyncUsing = None,
+    ) -> bool:
+        """Deliver ``delivery`` again after ``delay`` (later ones keep flowing); dead-letter it on the last attempt."""
+        return await self._run(using, lambda u: self.sync.nack(delivery, delay, error, using=u))
+
+    async def fail(self, delivery: TopicDelivery, error: str, *, using: AsyncUsing = None) -> bool:
+        """Dead-letter ``delivery`` now."""
+        return await self._run(using, lambda u: self.sync.fail(delivery, error, using=u))
+
+    async def extend(
+        self, delivery: TopicDelivery, by: dt.timedelta, *, using: AsyncUsing = None
+    ) -> dt.datetime | None:
+        """Keep ``delivery`` invisible to others for ``by`` from now; the new expiry, or None when lost."""
+        return await self._run(using, lambda u: self.sync.extend(delivery, by, using=u))
+
+    async def handle_exactly_once(
+        self, delivery: TopicDelivery, fn: Callable[[Connection], T], *, using: AsyncUsing = None
+    ) -> T:
+        """Run the sync ``fn(conn)`` and the fenced ack in one transaction; see ``Subscription``."""
+        return await self._run(using, lambda u: self.sync.handle_exactly_once(delivery, fn, using=u))

@@ -1,0 +1,468 @@
+"""AsyncWorker: runs ``async def handle(...)`` handlers on an event loop, as ``Worker`` runs threads.
+
+It is the threaded ``Worker`` with its waits made awaitable: the fair fetch (``Worker._fetch``),
+the leases (heartbeats, batched acks, release), the outcome of a failed attempt and the wake-up
+channel are the threaded worker's own, run in SQLAlchemy's greenlets. What differs: handlers are
+tasks (at most ``concurrency`` at once), the loops are tasks, every database call of the fetch loop
+and the heartbeat is bounded by ``stall_timeout`` (a cancelled call drops its connection), and
+PostgreSQL's LISTEN runs on an async psycopg connection.
+
+Cancelling a handler's task (or the worker's) releases its message: due again at once, the
+attempt not counted. Cancelling ``run()`` releases everything held and re-raises at once; a stop
+(``stop()``, SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
+``shutdown_timeout``, the rest are cancelled and released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import functools
+import inspect
+import logging
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from types import MappingProxyType
+from typing import Any, TypeVar, cast
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from delayq import observe
+from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
+from delayq.clock import Clock
+from delayq.dialects import dialect_for
+from delayq.errors import InvalidInputError, SchemaMissingError
+from delayq.handler import Handler
+from delayq.leases import Lease, describe
+from delayq.messages import Delivery
+from delayq.schema import DEFAULT_PREFIX
+from delayq.threads import DaemonPool, Task
+from delayq.transactions import DEFAULT_RETRY, TransientRetry
+from delayq.worker import HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
+
+__all__ = ["AsyncHandler", "AsyncWorker"]
+
+T = TypeVar("T")
+log = logging.getLogger("delayq.worker")
+
+
+class AsyncHandler(Handler):
+    """A ``Handler`` whose ``handle`` is a coroutine; the same class attributes (see ``Handler``).
+
+    ``handle(delivery)`` gets an ``AsyncDelivery``; a transactional handler also gets the
+    ``AsyncConnection`` of the transaction that deletes the message.
+    """
+
+    async def handle(  # type: ignore[override]
+        self, delivery: AsyncDelivery, conn: AsyncConnection | None = None
+    ) -> None:
+        """Process one delivery; ``conn`` is given to transactional handlers."""
+        raise NotImplementedError(f"{type(self).__name__}.handle")
+
+
+class _NotBegun(Exception):
+    """A transactional handler's transaction could not begin: the handler did not run."""
+
+
+class _StartNow(DaemonPool):
+    """The fetch's "pool" on the event loop: a submitted call runs at once (it starts a task)."""
+
+    def __init__(self) -> None:  # no threads
+        pass
+
+    def submit(self, fn: Callable[[], None]) -> Task:
+        task = Task(fn)
+        task.run()
+        return task
+
+    def shutdown(self) -> None:
+        pass
+
+
+class AsyncWorker(Worker):
+    """Consumes the queues of its ``AsyncHandler``s on the running event loop until stopped.
+
+    Args:
+        engine: an ``AsyncEngine`` on the database holding delayq's tables. Its pool should allow
+            a connection per transactional handler plus three (fetch, heartbeat, listener).
+        handlers: ``AsyncHandler`` subclasses or instances, one per queue.
+        concurrency, poll_interval, shutdown_timeout, clock, table_prefix, schema, listen,
+            stall_timeout: as for ``Worker`` (the same defaults).
+        transient_retry: how the handlers' ``AsyncDelivery`` operations (and their queues')
+            retry delayq's own transactions. The worker's own calls are not retried in place:
+            its loops back off and go on, as the threaded worker's do.
+
+    Use ``await worker.run()`` (SIGINT/SIGTERM stop it when run in the main thread),
+    ``worker.start()`` + ``await worker.stop()`` inside an application, or
+    ``await worker.run_once()`` in tests and scripts. Declared ``schedules`` are not run here yet.
+    """
+
+    runs_coroutines = True
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        handlers: Iterable[AsyncHandler | type[AsyncHandler]],
+        *,
+        concurrency: int = 4,
+        poll_interval: dt.timedelta = dt.timedelta(seconds=1),
+        shutdown_timeout: dt.timedelta = dt.timedelta(seconds=30),
+        clock: Clock | None = None,
+        table_prefix: str = DEFAULT_PREFIX,
+        schema: str | None = None,
+        listen: bool = True,
+        stall_timeout: dt.timedelta | None = dt.timedelta(seconds=60),
+        transient_retry: TransientRetry = DEFAULT_RETRY,
+    ) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}; see delayq.Worker")
+        super().__init__(
+            engine.sync_engine,
+            handlers,
+            concurrency=concurrency,
+            poll_interval=poll_interval,
+            shutdown_timeout=shutdown_timeout,
+            clock=clock,
+            table_prefix=table_prefix,
+            schema=schema,
+            listen=listen,
+            stall_timeout=stall_timeout,
+        )
+        self.async_engine = engine
+        self.async_queues: dict[str, AsyncDelayedQueue] = {}
+        for name, (h, _) in list(self._queues.items()):
+            if not inspect.iscoroutinefunction(h.handle):
+                raise InvalidInputError(f"{type(h).__name__}.handle must be a coroutine (async def) in an AsyncWorker")
+            if h.schedules:
+                raise InvalidInputError(
+                    f"{type(h).__name__} declares schedules: AsyncWorker does not run them yet (use delayq.Worker)"
+                )
+            aq = AsyncDelayedQueue(
+                engine,
+                name,
+                serializer=h.serializer,
+                visibility_timeout=h.visibility_timeout,
+                clock=clock,
+                table_prefix=table_prefix,
+                schema=schema,
+                transient_retry=transient_retry,
+                max_deliveries=h.retry.max_attempts,
+            )
+            self.async_queues[name] = aq
+            self._queues[name] = (h, aq.sync)  # the sync core, retried by the worker's loops
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
+        self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
+        self._nudge: asyncio.Event | None = None
+        self._done: asyncio.Event | None = None
+        self._main: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> None:  # type: ignore[override]
+        """Consume until ``stop()``, SIGINT/SIGTERM (a second one exits at once) or cancellation.
+
+        Raises ``SchemaMissingError`` when delayq's tables are missing at the first fetch.
+        """
+        self._stopping.clear()
+        restore = self._install_loop_signal_handlers()
+        try:
+            await self._serve_async()
+        finally:
+            restore()
+        if self._error is not None:
+            raise self._error
+
+    def start(self) -> None:
+        """Run as a task of the running loop (no signal handling); ``await stop()`` ends it."""
+        self._stopping.clear()
+        self._stopped.clear()
+        self._main = asyncio.get_running_loop().create_task(self._serve_async(), name="delayq-worker")
+
+    async def stop(self, timeout: float | None = None) -> bool:  # type: ignore[override]
+        """Stop fetching, let running handlers finish, release the rest; True once fully stopped."""
+        self._stopping.set()
+        self._poke()
+        if self._stopped.is_set() or self._done is None:
+            return True
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout if timeout is not None else self.shutdown_timeout + 5)
+        except TimeoutError:
+            return False
+        return True
+
+    def health(self) -> WorkerHealth:
+        """Whether the worker runs, its loops are alive, how recently it fetched, how much it holds."""
+        running = not self._stopped.is_set()
+        last = self._last_fetch
+        return WorkerHealth(
+            running=running,
+            loops=MappingProxyType({name: running and not t.done() for name, t in self._loop_tasks.items()}),
+            seconds_since_fetch=None if last is None else time.monotonic() - last,
+            held=len(self._leases),
+        )
+
+    async def run_once(self) -> int:  # type: ignore[override]
+        """Handle every message due now, then return how many were handled; a failed claim raises."""
+        self._pool = _StartNow()
+        self._nudge = asyncio.Event()
+        done = 0
+        while True:
+            before = set(self._tasks.values())
+            started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
+            new = [t for t in self._tasks.values() if t not in before]
+            if new:
+                await asyncio.wait(new)
+            await self._call(self._flush_acks)
+            if not started:
+                return done
+            done += len(started)
+
+    # -- loops ----------------------------------------------------------------------------------
+    async def _serve_async(self) -> None:
+        self._stopped.clear()
+        self._error = None
+        self._pool = _StartNow()
+        self._nudge, self._done = asyncio.Event(), asyncio.Event()
+        current = asyncio.current_task()
+        assert current is not None
+        self._loop_tasks = {"fetch": current, "heartbeat": asyncio.create_task(self._heartbeat_task())}
+        if self._listen and dialect_for(self.engine).can_notify:
+            self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
+        log.info("async worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
+        cancelled = False
+        try:
+            await self._fetch_task()
+        except SchemaMissingError as exc:
+            log.error("%s", exc)
+            self._error = exc
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            try:
+                await self._shutdown_async(grace=0.0 if cancelled else self.shutdown_timeout)
+            finally:
+                for name, task in self._loop_tasks.items():
+                    if name != "fetch":
+                        task.cancel()
+                self._stopped.set()
+                self._done.set()
+
+    async def _fetch_task(self) -> None:
+        idle_sleep, errors = MIN_IDLE_SLEEP, 0
+        while not self._stopping.is_set():
+            assert self._nudge is not None
+            self._nudge.clear()  # a wake-up from now on ends the next pause
+            try:
+                await self._call(self._flush_acks)
+                free = self._free_slots()
+                started = await self._call(self._fetch, free) if free else []
+                errors = 0
+            except SchemaMissingError:
+                raise
+            except Exception as exc:  # anything at all: log, back off, go on
+                errors += 1
+                log.warning("fetch loop: %s; going on in %.1fs", describe(exc), backoff(errors), exc_info=True)
+                await self._pause(backoff(errors))
+                continue
+            if not free or started:
+                idle_sleep = MIN_IDLE_SLEEP
+                if not free:
+                    await self._pause(self.poll_interval)  # a handler that ends wakes it
+            else:
+                try:
+                    until_due = await self._call(self._until_next_due)
+                except Exception:  # (a stalled call) the claim reports database trouble; here: poll
+                    until_due = self.poll_interval
+                await self._pause(min(idle_sleep, self.poll_interval, until_due))
+                idle_sleep = min(idle_sleep * 2, self.poll_interval)
+
+    async def _heartbeat_task(self) -> None:
+        """Extend the locks held, half a visibility timeout before they would expire."""
+        errors = 0
+        while True:
+            try:
+                ok = await self._call(self._leases.beat)
+            except Exception as exc:
+                log.warning("heartbeat: %s", describe(exc), exc_info=True)
+                ok = False
+            errors = 0 if ok else errors + 1
+            await asyncio.sleep(backoff(errors) if errors else HEARTBEAT_TICK)
+
+    async def _listen_task(self) -> None:
+        errors = 0
+        while True:
+            try:
+                async for queue_name in dialect_for(self.engine).listen_async(self.async_engine, self._channel):
+                    errors = 0
+                    if queue_name in self._queues:
+                        self._poke()
+            except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
+                errors += 1
+                log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", describe(exc), backoff(errors))
+                await asyncio.sleep(backoff(errors))
+
+    async def _shutdown_async(self, grace: float) -> None:
+        """Wait for running handlers (acking meanwhile) up to ``grace`` seconds, then cancel and
+        release what still runs."""
+        deadline = time.monotonic() + grace
+        while True:
+            await self._flush_acks_async()
+            left = deadline - time.monotonic()
+            if self._free_slots() == self.concurrency or left <= 0:
+                break
+            await self._pause(min(0.1, left))
+        running = list(self._tasks.values())
+        if running:
+            log.warning("%d handler(s) still running after %.0fs: cancelling them", len(running), grace)
+            for task in running:
+                task.cancel()  # each releases its message
+            await asyncio.wait(running, timeout=5.0)
+        await self._flush_acks_async()
+        unacked = self._leases.clear()
+        if unacked:
+            log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
+        log.info("async worker stopped")
+
+    async def _flush_acks_async(self) -> None:
+        try:
+            await self._call(self._flush_acks)
+        except Exception as exc:  # (a stalled call) the next flush tries again
+            log.warning("could not ack: %s", describe(exc))
+
+    # -- one delivery ---------------------------------------------------------------------------
+    def _execute(self, lease: Lease) -> None:
+        """Start the lease's handler as a task (called by ``Worker._fetch``, on the loop's thread)."""
+        self._tasks[id(lease)] = asyncio.get_running_loop().create_task(self._handle(lease))
+
+    async def _handle(self, lease: Lease) -> None:
+        handler, delivery = cast(AsyncHandler, lease.handler), lease.delivery  # async handle: checked at init
+        aq = self.async_queues[lease.queue.name]
+        to_ack = False
+        try:
+            if handler.transactional:
+                await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
+            else:
+                await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                to_ack = True
+        except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
+            log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
+            await self._bounded(self._leases.release, [lease], "the handler's transaction could not begin")
+        except asyncio.CancelledError:  # the message goes back at once, the attempt not counted
+            await self._bounded(self._leases.release, [lease], "its handler was cancelled")
+            raise
+        except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
+            await self._bounded(self._record_failure_of, lease, exc)
+        finally:
+            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
+            self._tasks.pop(id(lease), None)
+            self._poke()
+
+    @staticmethod
+    async def _handle_in_transaction_async(
+        handler: AsyncHandler, aq: AsyncDelayedQueue, delivery: AsyncDelivery
+    ) -> None:
+        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin."""
+        begun = False
+        try:
+            async with aq.transaction() as conn:
+                begun = True
+                await _observed(delivery.delivery, handler.handle(delivery, conn))
+                if not await delivery.ack(using=conn):
+                    await conn.rollback()
+                    log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
+        except Exception as exc:
+            if begun:
+                raise
+            raise _NotBegun from exc
+
+    def _record_failure_of(self, lease: Lease, exc: Exception) -> None:
+        """``Worker._record_failure`` in a greenlet, with ``exc`` as the exception being handled there
+        (the attempt history reads its type and traceback from ``sys.exc_info()``)."""
+        try:
+            raise exc
+        except Exception:
+            self._record_failure(lease, exc)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """A sync call of the threaded worker's, in a greenlet, bounded by ``stall_timeout``.
+
+        A driver may take the timeout's cancellation in hand and raise ``CancelledError`` later
+        (psycopg first waits up to 5 s for the server to cancel the query): when no one else asked
+        to cancel this task, that is the stall timeout still, not the end of the worker.
+        """
+        scope = asyncio.timeout(self._stall_timeout)
+        try:
+            async with scope:
+                return await greenlet_spawn(fn, *args)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if scope.expired() and task is not None and task.cancelling() == 0:
+                raise TimeoutError(f"a database call took longer than {self._stall_timeout}s") from None
+            raise
+
+    async def _bounded(self, fn: Callable[..., None], *args: Any) -> None:
+        """``_call`` for recording an outcome: a stalled call is given up (the message comes back after its
+        lock expires, as when its outcome cannot be recorded)."""
+        try:
+            await self._call(fn, *args)
+        except TimeoutError as exc:
+            log.warning("could not record an outcome (%s); the message returns after its lock expires", exc)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; a wake-up (a handler ended, a notification, a stop) ends it early."""
+        assert self._nudge is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._nudge.wait(), max(seconds, 0.0))
+        self._nudge.clear()
+
+    def _poke(self) -> None:
+        if self._nudge is not None:
+            self._nudge.set()
+
+    def _install_loop_signal_handlers(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM on the loop: the first stops the worker gracefully (and arms an exit in
+        bounded time, as ``Worker`` does), a second exits at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        count = 0
+
+        def on_signal(signum: int) -> None:
+            nonlocal count
+            count += 1
+            if count > 1:
+                log.warning("second signal: exiting at once")
+                self._exit_now(signum, 0.0)
+            self._on_stop_signal(signum)
+            self._poke()
+
+        for s in signals:
+            loop.add_signal_handler(s, on_signal, s)
+
+        def restore() -> None:
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()
+                self._exit_timer = None
+            for s in signals:
+                loop.remove_signal_handler(s)
+
+        return restore
+
+
+async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
+    """Await the handler's ``call`` inside ``observe.handling``, the delivery log, metrics and tracing
+    hearing of it; entered in a greenlet, since tracing reads the trace context through the sync core."""
+    observed = observe.handling(delivery)
+    await greenlet_spawn(observed.__enter__)
+    try:
+        await call
+    except BaseException as exc:
+        observed.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    observed.__exit__(None, None, None)

@@ -1,0 +1,24 @@
+"""Durations as people write them, for logs and the command line."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+__all__ = ["human"]
+
+
+def human(span: dt.timedelta) -> str:
+    """A duration as people write it: ``850ms``, ``2.2s``, ``5m 03s``, ``1h 30m``, ``2d 4h``."""
+    total = abs(span.total_seconds())
+    if total < 1:
+        return f"{total * 1000:.0f}ms"
+    if total < 60:
+        return f"{total:.1f}s"
+    minutes, seconds = divmod(int(total), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {seconds:02d}s"

@@ -1,0 +1,194 @@
+"""Prometheus metrics (the ``delayq[metrics]`` extra, prometheus-client).
+
+``register(registry, queues)`` installs delayq's metrics in a registry (the application's own, or
+prometheus-client's default) and starts counting; ``serve(port, queues)`` also serves them over HTTP,
+as ``delayq worker --metrics-port N`` does. What is exported:
+
+- counters per queue: ``delayq_offered_total``, ``delayq_delivered_total``, ``delayq_acked_total``,
+  ``delayq_retried_total``, ``delayq_dead_lettered_total``, ``delayq_lock_lost_total``;
+- histograms per queue: ``delayq_handler_duration_seconds`` (with ``outcome``: success or failure) and
+  ``delayq_pickup_latency_seconds`` (from a message's due time to its handler's start; clocks of the
+  database and of the worker's host both count);
+- gauges per queue, read at scrape time with one ``stats()`` statement per queue (none between scrapes):
+  ``delayq_ready``, ``delayq_scheduled``, ``delayq_in_flight``, ``delayq_expired_locks``, ``delayq_dead``,
+  ``delayq_oldest_due_age_seconds``.
+
+Counting costs a dictionary look-up and a locked add per event: nothing a worker's database work notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from delayq import observe
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from delayq.messages import Delivery
+    from delayq.queue import DelayedQueue
+
+__all__ = ["Metrics", "register", "serve"]
+
+log = logging.getLogger("delayq.metrics")
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+GAUGES = {
+    "ready": "Messages due and not held by a consumer.",
+    "scheduled": "Messages not yet due.",
+    "in_flight": "Messages held by a consumer whose lock has not expired.",
+    "expired_locks": "Messages held by a consumer whose lock expired (due for redelivery).",
+    "dead": "Dead letters.",
+}
+
+
+class Metrics(observe.Observer, Collector):
+    """delayq's metrics in one registry; an ``Observer`` once installed (``register`` does both)."""
+
+    def __init__(self, registry: CollectorRegistry, queues: Iterable[DelayedQueue] = ()) -> None:
+        self.queues: list[DelayedQueue] = list(queues)
+        self._lock = threading.Lock()
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"delayq_{name}", doc, ["queue"], registry=registry)
+
+        self.counters: dict[str, Counter] = {
+            "offered": counter("offered", "Messages offered (created or replaced)."),
+            "delivered": counter("delivered", "Deliveries started by a worker's handler."),
+            "acked": counter("acked", "Messages acked (deleted after their handler returned)."),
+            "retried": counter("retried", "Failed attempts released for a later one."),
+            "dead_lettered": counter("dead_lettered", "Messages moved to the dead letters."),
+            "lock_lost": counter("lock_lost", "Deliveries whose lock was gone when their outcome was recorded."),
+        }
+        self.duration = Histogram(
+            "delayq_handler_duration_seconds",
+            "Seconds a handler ran.",
+            ["queue", "outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "delayq_pickup_latency_seconds",
+            "Seconds from a message's due time to its handler's start.",
+            ["queue"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._children: dict[tuple[str, str], Any] = {}
+        registry.register(self)
+
+    def _child(self, metric: str, queue: str, outcome: str = "") -> Any:
+        # A label look-up per event is a lock and a tuple; this dictionary hit is neither.
+        found = self._children.get((metric, queue + "\0" + outcome))
+        if found is None:
+            if metric == "duration":
+                found = self.duration.labels(queue, outcome)
+            elif metric == "latency":
+                found = self.latency.labels(queue)
+            else:
+                found = self.counters[metric].labels(queue)
+            self._children[metric, queue + "\0" + outcome] = found
+        return found
+
+    # -- observer -------------------------------------------------------------------------------
+    def started(self, delivery: Delivery) -> object:
+        queue = delivery.queue
+        self._child("delivered", queue).inc()
+        self._child("latency", queue).observe(max(0.0, time.time() - delivery.scheduled_at.timestamp()))
+        return None
+
+    def finished(self, delivery: Delivery, state: object, error: BaseException | None, duration: float) -> None:
+        self._child("duration", delivery.queue, "success" if error is None else "failure").observe(duration)
+
+    def counted(self, event: observe.Event, queue: str, n: int) -> None:
+        self._child(event, queue).inc(n)
+
+    # -- collector: the gauges, read at scrape time ---------------------------------------------------
+    def watch(self, queues: Iterable[DelayedQueue]) -> None:
+        """Also export the gauges of ``queues`` (each queue once, by name)."""
+        with self._lock:
+            names = {q.name for q in self.queues}
+            self.queues += [q for q in queues if q.name not in names]
+
+    def describe(self) -> list[Metric]:
+        return []  # the gauges are read at scrape time only: never while registering
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            queues = list(self.queues)
+        families = {name: GaugeMetricFamily(f"delayq_{name}", doc, labels=["queue"]) for name, doc in GAUGES.items()}
+        age = GaugeMetricFamily(
+            "delayq_oldest_due_age_seconds",
+            "Seconds the oldest due message has waited (0 when none).",
+            labels=["queue"],
+        )
+        for q in queues:
+            try:
+                s = q.stats()
+            except Exception as exc:  # a scrape never fails for one queue's trouble
+                log.warning("metrics: stats of queue %s failed: %s", q.name, exc)
+                continue
+            for name in GAUGES:
+                families[name].add_metric([q.name], getattr(s, name))
+            age.add_metric([q.name], 0.0 if s.oldest_due_age is None else s.oldest_due_age.total_seconds())
+        yield from families.values()
+        yield age
+
+
+_installed: dict[int, Metrics] = {}
+_install_lock = threading.Lock()
+
+
+def register(registry: CollectorRegistry | None = None, queues: Sequence[DelayedQueue] = ()) -> Metrics:
+    """Install delayq's metrics in ``registry`` (prometheus-client's default one when None) and start counting.
+
+    ``queues`` get the per-queue gauges. Calling it again with the same registry returns the same
+    ``Metrics`` (watching the new queues too).
+    """
+    reg = REGISTRY if registry is None else registry
+    with _install_lock:
+        metrics = _installed.get(id(reg))
+        if metrics is None:
+            metrics = _installed[id(reg)] = Metrics(reg)
+            observe.add(metrics)
+    metrics.watch(queues)
+    return metrics
+
+
+def unregister(metrics: Metrics, registry: CollectorRegistry | None = None) -> None:
+    """Stop counting into ``metrics`` and take it out of ``registry``."""
+    reg = REGISTRY if registry is None else registry
+    observe.remove(metrics)
+    with _install_lock:
+        _installed.pop(id(reg), None)
+    for c in (*metrics.counters.values(), metrics.duration, metrics.latency, metrics):
+        reg.unregister(c)
+
+
+def serve(
+    port: int,
+    queues: Sequence[DelayedQueue] = (),
+    *,
+    addr: str = "0.0.0.0",
+    registry: CollectorRegistry | None = None,
+) -> Callable[[], None]:
+    """Register the metrics and serve ``/metrics`` on ``addr:port`` from a daemon thread; returns a stop function."""
+    reg = REGISTRY if registry is None else registry
+    register(reg, queues)
+    server, thread = start_http_server(port, addr, registry=reg)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return stop

@@ -1,0 +1,195 @@
+"""Observers: what logging, metrics and tracing learn of each delivery and of the queue's events.
+
+The worker wraps every handler call in ``handling(delivery)``; the queue reports its events
+(``offered``, ``acked``, ``retried``, ``dead_lettered``, ``lock_lost``) through ``count``. Each
+installed ``Observer`` hears of them. ``delivery_log`` is installed from the start: it logs on the
+``delayq.delivery`` logger, every record with structured fields (``delayq_event``, ``delayq_queue``,
+``delayq_key``, ``delayq_attempt``, ``delayq_duration``) that JSON log formatters pick up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AbstractContextManager, ExitStack
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from delayq.messages import Delivery
+
+__all__ = ["DeliveryLog", "Event", "Observer", "add", "count", "delivery_log", "handling", "offering", "remove"]
+
+Event = Literal["offered", "acked", "retried", "dead_lettered", "lock_lost"]
+"""A queue event that observers count."""
+
+
+class Observer:
+    """Hears of deliveries and queue events; every method does nothing unless overridden.
+
+    Methods run on the worker's threads, inline: keep them fast, and never raise.
+    """
+
+    def started(self, delivery: Delivery) -> object:
+        """A handler is about to run ``delivery``; what it returns comes back to ``finished``."""
+        return None
+
+    def finished(self, delivery: Delivery, state: object, error: BaseException | None, duration: float) -> None:
+        """The handler returned (``error`` None) or raised ``error``, after ``duration`` seconds."""
+
+    def counted(self, event: Event, queue: str, n: int) -> None:
+        """``n`` messages of ``queue`` had ``event``."""
+
+    def publishing(self, queue: str, n: int, headers: dict[str, str]) -> AbstractContextManager[None] | None:
+        """An offer of ``n`` messages to ``queue`` is about to run: add to ``headers`` what should travel
+        with them, and return a context manager to run around the offer (or None)."""
+        return None
+
+
+_observers: tuple[Observer, ...] = ()
+_publishers: tuple[Observer, ...] = ()  # those that override ``publishing``: offers skip the rest
+
+
+def add(observer: Observer) -> None:
+    """Install ``observer`` (once; adding it again changes nothing)."""
+    if observer not in _observers:
+        _install((*_observers, observer))
+
+
+def remove(observer: Observer) -> None:
+    """Uninstall ``observer``."""
+    _install(tuple(o for o in _observers if o is not observer))
+
+
+def _install(observers: tuple[Observer, ...]) -> None:
+    global _observers, _publishers
+    _observers = observers
+    _publishers = tuple(o for o in observers if type(o).publishing is not Observer.publishing)
+
+
+def count(event: Event, queue: str, n: int = 1) -> None:
+    """Tell every observer that ``n`` messages of ``queue`` had ``event`` (nothing when ``n`` is 0)."""
+    if n:
+        for o in _observers:
+            o.counted(event, queue, n)
+
+
+class offering:  # a class in a function's name: ``with offering(queue, n) as headers:``
+    """Wrap one offer: observers may add headers (None when none did) and run around it."""
+
+    __slots__ = ("_n", "_queue", "_stack")
+
+    def __init__(self, queue: str, n: int) -> None:
+        self._queue, self._n = queue, n
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> dict[str, str] | None:
+        if not _publishers:
+            return None
+        headers: dict[str, str] = {}
+        stack = self._stack = ExitStack()
+        for o in _publishers:
+            around = o.publishing(self._queue, self._n, headers)
+            if around is not None:
+                stack.enter_context(around)
+        return headers or None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        return False if self._stack is None else bool(self._stack.__exit__(kind, error, tb))
+
+
+class handling:  # a class in a function's name: ``with handling(delivery):``
+    """Wrap one handler call: observers hear of its start, then of its end with the outcome and duration."""
+
+    __slots__ = ("_delivery", "_observers", "_start", "_states")
+
+    def __init__(self, delivery: Delivery) -> None:
+        self._delivery = delivery
+        self._observers = _observers
+
+    def __enter__(self) -> None:
+        self._states = [o.started(self._delivery) for o in self._observers]
+        self._start = time.perf_counter()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        duration = time.perf_counter() - self._start
+        for o, state in zip(reversed(self._observers), reversed(self._states), strict=True):
+            o.finished(self._delivery, state, error, duration)
+        return False
+
+
+class DeliveryLog(Observer):
+    """Logs each delivery's start, success and failure (with its traceback) on ``delayq.delivery``.
+
+    The level of each is an attribute: ``delayq.observe.delivery_log.success_level = logging.DEBUG``.
+    Defaults: start DEBUG, success INFO, failure WARNING.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger | None = None,
+        *,
+        start_level: int = logging.DEBUG,
+        success_level: int = logging.INFO,
+        failure_level: int = logging.WARNING,
+    ) -> None:
+        self.logger = logger or logging.getLogger("delayq.delivery")
+        self.start_level = start_level
+        self.success_level = success_level
+        self.failure_level = failure_level
+
+    def started(self, delivery: Delivery) -> object:
+        if self.logger.isEnabledFor(self.start_level):
+            self.logger.log(
+                self.start_level,
+                "%s: attempt %d started",
+                delivery.label,
+                delivery.attempts,
+                extra=_fields("start", delivery, None),
+            )
+        return None
+
+    def finished(self, delivery: Delivery, state: object, error: BaseException | None, duration: float) -> None:
+        if error is None:
+            if self.logger.isEnabledFor(self.success_level):
+                self.logger.log(
+                    self.success_level,
+                    "%s: attempt %d succeeded in %.3fs",
+                    delivery.label,
+                    delivery.attempts,
+                    duration,
+                    extra=_fields("success", delivery, duration),
+                )
+        elif self.logger.isEnabledFor(self.failure_level):
+            self.logger.log(
+                self.failure_level,
+                "%s: attempt %d failed in %.3fs: %s: %s",
+                delivery.label,
+                delivery.attempts,
+                duration,
+                type(error).__name__,
+                error,
+                exc_info=(type(error), error, error.__traceback__),
+                extra=_fields("failure", delivery, duration),
+            )
+
+
+def _fields(event: str, delivery: Delivery, duration: float | None) -> dict[str, object]:
+    hidden = delivery._queue.engine.hide_parameters
+    fields: dict[str, object] = {
+        "delayq_event": event,
+        "delayq_queue": delivery.queue,
+        "delayq_key": None if hidden else delivery.key,
+        "delayq_id": delivery.id,
+        "delayq_attempt": delivery.attempts,
+    }
+    if duration is not None:
+        fields["delayq_duration"] = duration
+    return fields
+
+
+delivery_log = DeliveryLog()
+"""The delivery log installed by default; set its levels, or ``remove(delivery_log)`` to silence it."""
+add(delivery_log)

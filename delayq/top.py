@@ -1,0 +1,218 @@
+"""``delayq top``: a live view of every queue (the ``delayq[top]`` extra, rich).
+
+Each refresh reads, per queue, ``stats()`` and how many messages arrived and left since the last
+refresh (by id: rows above the last highest id arrived; rows at or below it that are gone left, acked,
+cancelled or dead-lettered), and the most recent failures with the end of their traceback. All reads;
+nothing is written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from delayq.browse import database_now, queue_names
+from delayq.history import parse
+from delayq.humanize import human
+from delayq.messages import QueueStats
+from delayq.queue import DelayedQueue
+from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.serializers import BytesSerializer
+
+__all__ = ["Failure", "QueueRow", "Snapshot", "Top", "render"]
+
+RECENT_FAILURES = 5
+TRACEBACK_LINES = 4
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    """One queue's line: its counts, and its flow since the previous refresh (per second)."""
+
+    name: str
+    stats: QueueStats
+    arrived_per_s: float | None
+    left_per_s: float | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A recent failure: a message awaiting its retry, or a dead letter."""
+
+    queue: str
+    key: str
+    dead: bool
+    attempt: int
+    at: dt.datetime
+    message: str
+    traceback_tail: list[str]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one refresh read."""
+
+    taken_at: dt.datetime
+    queues: list[QueueRow]
+    failures: list[Failure] = field(default_factory=list)
+
+
+class Top:
+    """Reads snapshots of the queues of one delayq installation; remembers the last to compute rates."""
+
+    def __init__(
+        self, engine: sa.Engine, prefix: str = DEFAULT_PREFIX, schema: str | None = None, only: list[str] | None = None
+    ) -> None:
+        self.engine = engine
+        self.prefix, self.schema = prefix, schema
+        self.tables = make_tables(prefix, schema)
+        self.only = only
+        self._marks: dict[str, tuple[int, int, float]] = {}  # queue -> (highest id, rows up to it, monotonic)
+
+    def snapshot(self) -> Snapshot:
+        rows: list[QueueRow] = []
+        with self.engine.connect() as conn:
+            now = database_now(conn)
+            names = self.only or queue_names(conn, self.tables)
+            for name in names:
+                queue = DelayedQueue(
+                    self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer()
+                )
+                stats = queue.stats(using=conn)
+                arrived, left = self._flow(conn, name)
+                rows.append(QueueRow(name, stats, arrived, left))
+            failures = self._failures(conn, names)
+            conn.rollback()
+        return Snapshot(now, rows, failures)
+
+    def _flow(self, conn: sa.Connection, name: str) -> tuple[float | None, float | None]:
+        m = self.tables.messages
+        mark = self._marks.get(name)
+        below = mark[0] if mark else 0
+        r = conn.execute(
+            sa.select(
+                sa.func.count().label("n"),
+                sa.func.max(m.c.id).label("top"),
+                sa.func.coalesce(sa.func.sum(sa.case((m.c.id <= below, 1), else_=0)), 0).label("old"),
+            ).where(m.c.queue == name)
+        ).one()
+        clock = time.monotonic()
+        top = max(below, int(r.top or 0))
+        self._marks[name] = (top, int(r.n), clock)
+        if mark is None:
+            return None, None
+        elapsed = max(clock - mark[2], 1e-3)
+        arrived = int(r.n) - int(r.old)
+        left = mark[1] - int(r.old)
+        return arrived / elapsed, max(left, 0) / elapsed
+
+    def _failures(self, conn: sa.Connection, names: list[str]) -> list[Failure]:
+        m, dead = self.tables.messages, self.tables.dead_letters
+        if not names:
+            return []
+        found: list[Failure] = []
+        live = conn.execute(
+            sa.select(m.c.queue, m.c.key, m.c.attempt_history, m.c.last_error)
+            .where(m.c.queue.in_(names), m.c.last_error.is_not(None), m.c.lock_token.is_(None))
+            .order_by(m.c.scheduled_at.desc())
+            .limit(RECENT_FAILURES)
+        ).all()
+        gone = conn.execute(
+            sa.select(dead.c.queue, dead.c.key, dead.c.attempt_history, dead.c.last_error)
+            .where(dead.c.queue.in_(names))
+            .order_by(dead.c.failed_at.desc(), dead.c.id.desc())
+            .limit(RECENT_FAILURES)
+        ).all()
+        for rows, is_dead in ((live, False), (gone, True)):
+            for r in rows:
+                history = parse(r.attempt_history)
+                if not history:
+                    continue
+                last = history[-1]
+                tail = (last.traceback or "").rstrip().splitlines()[-TRACEBACK_LINES:]
+                found.append(Failure(r.queue, r.key, is_dead, last.attempt, last.at, last.message, tail))
+        found.sort(key=lambda f: f.at, reverse=True)
+        return found[:RECENT_FAILURES]
+
+
+def _rate(value: float | None) -> str:
+    return "…" if value is None else f"{value:.1f}"
+
+
+def render(snap: Snapshot) -> RenderableType:
+    """The view of one snapshot."""
+    table = Table(expand=True, title=f"delayq top · {snap.taken_at:%Y-%m-%d %H:%M:%S} UTC", title_style="bold")
+    for column, justify in (
+        ("queue", "left"),
+        ("ready", "right"),
+        ("scheduled", "right"),
+        ("in flight", "right"),
+        ("expired locks", "right"),
+        ("dead", "right"),
+        ("oldest due", "right"),
+        ("in/s", "right"),
+        ("out/s", "right"),
+    ):
+        # the queue's name is what a reader looks for: never cut, the numbers' columns give way
+        wide = max([len(q.name) for q in snap.queues] + [5]) if column == "queue" else None
+        table.add_column(column, justify=justify, no_wrap=column == "queue", min_width=wide)  # type: ignore[arg-type]
+    for q in snap.queues:
+        s = q.stats
+        table.add_row(
+            q.name,
+            Text(str(s.ready), style="green" if s.ready else ""),
+            str(s.scheduled),
+            Text(str(s.in_flight), style="yellow" if s.in_flight else ""),
+            Text(str(s.expired_locks), style="magenta" if s.expired_locks else ""),
+            Text(str(s.dead), style="red" if s.dead else ""),
+            "-" if s.oldest_due_age is None else human(s.oldest_due_age),
+            _rate(q.arrived_per_s),
+            _rate(q.left_per_s),
+        )
+    if not snap.queues:
+        table.add_row("(no queues yet)", *[""] * 8)
+    parts: list[RenderableType] = [table]
+    if snap.failures:
+        lines: list[RenderableType] = []
+        for f in snap.failures:
+            ago = human(snap.taken_at - f.at) if snap.taken_at >= f.at else "just now"
+            state = Text("dead", style="bold red") if f.dead else Text("retrying", style="yellow")
+            lines.append(
+                Text.assemble(state, f" {f.queue} {f.key!r} attempt {f.attempt}, {ago} ago: ", (f.message, "bold"))
+            )
+            lines += [Text(f"    {line}", style="dim") for line in f.traceback_tail]
+        parts.append(Panel(Group(*lines), title="recent failures", border_style="red"))
+    return Group(*parts)
+
+
+def run(
+    top: Top,
+    console: Console,
+    interval: float = 1.0,
+    times: int = 0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Refresh every ``interval`` seconds until Ctrl-C (or ``times`` refreshes); live on a terminal."""
+    shown = 0
+    if console.is_terminal:
+        with Live(render(top.snapshot()), console=console, refresh_per_second=4, screen=False) as live:
+            while not times or shown + 1 < times:
+                sleep(interval)
+                live.update(render(top.snapshot()))
+                shown += 1
+        return
+    while True:  # not a terminal: print each view in turn
+        console.print(render(top.snapshot()))
+        shown += 1
+        if times and shown >= times:
+            return
+        sleep(interval)

@@ -1,0 +1,28 @@
+"""Topics: an immutable, partitioned log with consumer groups (seed 004). See docs/topics.md.
+
+``Topic`` publishes (idempotently, offsets in commit order per partition); ``Subscription`` is one
+subscriber of a consumer group: it shares the partitions with the group's other subscribers under
+fenced leases, polls, and acks, nacks or extends ``TopicDelivery`` objects.
+"""
+
+from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
+from delayq.topics.names import DLQ_SUFFIX, dead_letter_topic, partition_for
+from delayq.topics.subscription import Subscription
+from delayq.topics.topic import PartitionInfo, Topic
+from delayq.topics.views import PartitionLag, TopicSummary, group_lag, list_topics
+
+__all__ = [
+    "DLQ_SUFFIX",
+    "DeadLetterInfo",
+    "LeaseLostError",
+    "PartitionInfo",
+    "PartitionLag",
+    "Subscription",
+    "Topic",
+    "TopicDelivery",
+    "TopicSummary",
+    "dead_letter_topic",
+    "group_lag",
+    "list_topics",
+    "partition_for",
+]

@@ -1,0 +1,237 @@
+"""The statements of topics, built once per engine, table set and clock mode.
+
+Every statement is a SQLAlchemy Core construct with named bind parameters. "Now" is read once per
+transaction, by the first statement (``now`` is the database's clock expression, or the bind
+parameter ``:now`` on an injected clock), and bound as a number after that. The one shape that
+differs per backend, the upsert, comes from the dialect (``Dialect.topic_upsert``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import sqlalchemy as sa
+
+from delayq.dialects import Dialect
+from delayq.schema import TopicTables, make_tables
+
+PENDING, ACKED, DEAD = 0, 1, 2
+"""A delivery's status: in flight or waiting out a nack; acked; dead-lettered."""
+
+
+def _bp(name: str, type_: Any = sa.BigInteger) -> Any:
+    return sa.bindparam(name, type_=type_)
+
+
+def _s(name: str) -> Any:
+    return sa.bindparam(name, type_=sa.String)
+
+
+class TopicStatements:
+    """The statements over one set of topic tables."""
+
+    def __init__(self, dialect: Dialect, t: TopicTables, now: sa.ColumnElement[int]) -> None:
+        topic, group, part = _s("topic_name"), _s("group"), _bp("part", sa.Integer)
+        log, heads, dl, le, off, sub = t.log, t.heads, t.deliveries, t.leases, t.offsets, t.subscribers
+        self.now = sa.select(now.label("now"))
+
+        # -- topics and publishing --------------------------------------------------------------
+        self.create_topic = dialect.topic_upsert(t.topics, ["topic"], None).values(
+            topic=topic, partitions=_bp("partition_count", sa.Integer), created_at=_bp("now_v")
+        )
+        self.partitions = sa.select(t.topics.c.partitions).where(t.topics.c.topic == topic)
+        self.create_head = dialect.topic_upsert(heads, ["topic", "partition"], None).values(
+            topic=topic, partition=part, head=0, collected=0
+        )
+        head_key = sa.and_(heads.c.topic == topic, heads.c.partition == part)
+        self.set_head = sa.update(heads).where(head_key).values(head=_bp("new_head"))
+        # Locked in ascending partition order (PostgreSQL locks the rows as the sort emits them; InnoDB
+        # as it walks the primary key), as every publisher does: two batches cannot deadlock.
+        self.lock_heads = (
+            sa.select(heads.c.partition, heads.c.head, now.label("now"))
+            .where(heads.c.topic == topic, heads.c.partition.in_(sa.bindparam("parts", expanding=True)))
+            .order_by(heads.c.partition)
+            .with_for_update()
+        )
+        self.existing_ids = sa.select(log.c.partition_key, log.c.message_id).where(
+            log.c.topic == topic,
+            sa.tuple_(log.c.partition_key, log.c.message_id).in_(sa.bindparam("pairs", expanding=True)),
+        )
+        self.insert_log = sa.insert(log)
+        self.heads_of_topic = (
+            sa.select(heads.c.partition, heads.c.head, heads.c.collected)
+            .where(heads.c.topic == topic)
+            .order_by(heads.c.partition)
+        )
+
+        # -- groups ------------------------------------------------------------------------------
+        self.group_partitions = sa.select(sa.func.count()).where(off.c.consumer_group == group, off.c.topic == topic)
+        self.heads_for_group = self.heads_of_topic.with_for_update(read=True)
+        self.create_lease = dialect.topic_upsert(le, ["consumer_group", "topic", "partition"], None).values(
+            consumer_group=group, topic=topic, partition=part, holder=None, epoch=0, acquired_at=0, expires_at=0
+        )
+        self.create_offset = dialect.topic_upsert(off, ["consumer_group", "topic", "partition"], None).values(
+            consumer_group=group, topic=topic, partition=part, acked_offset=_bp("acked"), updated_at=_bp("now_v")
+        )
+
+        # -- membership ----------------------------------------------------------------------------
+        self.heartbeat = dialect.topic_upsert(
+            sub,
+            ["consumer_group", "topic", "subscriber"],
+            {
+                "heartbeat_at": _bp("now_v"),
+                "deregistered_at": None,
+            },
+        ).values(consumer_group=group, topic=topic, subscriber=_s("me"), heartbeat_at=_bp("now_v"))
+        self.live_subscribers = sa.select(sa.func.count()).where(
+            sub.c.consumer_group == group,
+            sub.c.topic == topic,
+            sub.c.deregistered_at.is_(None),
+            sub.c.heartbeat_at > _bp("live_after"),
+        )
+        self.deregister = (
+            sa.update(sub)
+            .where(sub.c.consumer_group == group, sub.c.topic == topic, sub.c.subscriber == _s("me"))
+            .values(deregistered_at=_bp("now_v"))
+        )
+        group_leases = sa.and_(le.c.consumer_group == group, le.c.topic == topic)
+        mine = sa.and_(group_leases, le.c.holder == _s("me"))
+        # Read after ``renew``, whose UPDATE locked exactly these rows: a locking SELECT would, on
+        # MariaDB, scan the group's rows by primary key and wait for any row another transaction locked.
+        self.my_leases = sa.select(le.c.partition, le.c.epoch).where(mine).order_by(le.c.partition)
+        self.renew = sa.update(le).where(mine).values(expires_at=_bp("until"))
+        parts_in = le.c.partition.in_(sa.bindparam("parts", expanding=True))
+        self.release = sa.update(le).where(mine, parts_in).values(holder=None, expires_at=0)
+        self.release_all = sa.update(le).where(mine).values(holder=None, expires_at=0)
+        free = sa.or_(le.c.holder.is_(None), le.c.expires_at <= _bp("now_v"))
+        self.free_leases = (
+            sa.select(le.c.partition)
+            .where(group_leases, free)
+            .order_by(le.c.partition)
+            .limit(_bp("limit", sa.Integer))
+            .with_for_update(skip_locked=True)
+        )
+        self.take = (
+            sa.update(le)
+            .where(group_leases, parts_in, free)
+            .values(holder=_s("me"), epoch=le.c.epoch + 1, acquired_at=_bp("now_v"), expires_at=_bp("until"))
+        )
+        self.taken = sa.select(le.c.partition, le.c.epoch).where(mine, parts_in)
+        lease_key = sa.and_(group_leases, le.c.partition == part)
+        held = sa.and_(lease_key, le.c.holder == _s("me"), le.c.epoch == _bp("lease_epoch"))
+        # Fencing: a holder's write runs after one of these found its lease (holder and epoch) and
+        # locked the row, so a steal (an UPDATE of that row) waits for it, and every write after a
+        # steal finds the epoch changed.
+        self.hold_exclusive = sa.select(now.label("now")).where(held).with_for_update()
+        self.hold_shared = sa.select(now.label("now")).where(held).with_for_update(read=True)
+
+        # -- consuming -------------------------------------------------------------------------------
+        off_key = sa.and_(off.c.consumer_group == group, off.c.topic == topic, off.c.partition == part)
+        self.watermark = sa.select(off.c.acked_offset).where(off_key)
+        self.group_offsets = (
+            sa.select(off.c.partition, off.c.acked_offset)
+            .where(off.c.consumer_group == group, off.c.topic == topic)
+            .order_by(off.c.partition)
+        )
+        self.group_leases = (
+            sa.select(le.c.partition, le.c.holder, le.c.epoch, le.c.acquired_at, le.c.expires_at)
+            .where(group_leases)
+            .order_by(le.c.partition)
+        )
+        self.set_watermark = sa.update(off).where(off_key).values(acked_offset=_bp("acked"), updated_at=_bp("now_v"))
+        self.with_work = (
+            sa.select(off.c.partition, off.c.acked_offset, heads.c.head)
+            .select_from(off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)))
+            .where(
+                off.c.consumer_group == group,
+                off.c.topic == topic,
+                off.c.partition.in_(sa.bindparam("parts", expanding=True)),
+            )
+        )
+        log_part = sa.and_(log.c.topic == topic, log.c.partition == part)
+        self.offsets_after = (
+            sa.select(log.c.message_offset)
+            .where(log_part, log.c.message_offset > _bp("after"))
+            .order_by(log.c.message_offset)
+            .limit(_bp("limit", sa.Integer))
+        )
+        dl_part = sa.and_(dl.c.consumer_group == group, dl.c.topic == topic, dl.c.partition == part)
+        self.states = sa.select(dl.c.message_offset, dl.c.status, dl.c.invisible_until, dl.c.attempts).where(
+            dl_part, dl.c.message_offset > _bp("after"), dl.c.message_offset <= _bp("upto")
+        )
+        self.forget_states = sa.delete(dl).where(dl_part, dl.c.message_offset <= _bp("upto"))
+        self.messages = sa.select(
+            log.c.message_offset,
+            log.c.partition_key,
+            log.c.message_id,
+            log.c.payload,
+            log.c.payload_type,
+            log.c.published_at,
+            log.c.original_topic,
+            log.c.original_offset,
+            log.c.failed_group,
+            log.c.failed_at,
+            log.c.failure_count,
+            log.c.last_error,
+        ).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
+        self.insert_state = sa.insert(dl)
+        offs_in = dl.c.message_offset.in_(sa.bindparam("offsets", expanding=True))
+        self.redeliver = (
+            sa.update(dl)
+            .where(dl_part, offs_in, dl.c.status == PENDING)
+            .values(attempts=dl.c.attempts + 1, invisible_until=_bp("until"))
+        )
+        this = sa.and_(
+            dl_part,
+            dl.c.message_offset == _bp("offset"),
+            dl.c.status == PENDING,
+            dl.c.attempts == _bp("attempt_no", sa.Integer),
+        )
+        self.ack = sa.update(dl).where(this).values(status=ACKED)
+        self.nack = sa.update(dl).where(this).values(invisible_until=_bp("until"), last_error=_bp("error", sa.Text))
+        self.extend = (
+            sa.update(dl).where(this).values(invisible_until=dialect.greatest(dl.c.invisible_until, _bp("until")))
+        )
+        self.visible_until = sa.select(dl.c.invisible_until).where(dl_part, dl.c.message_offset == _bp("offset"))
+        self.bury = sa.update(dl).where(this).values(status=DEAD, last_error=_bp("error", sa.Text))
+        self.state_error = sa.select(dl.c.last_error).where(dl_part, dl.c.message_offset == _bp("offset"))
+
+        # -- garbage collection ------------------------------------------------------------------------
+        lowest = (
+            sa.select(off.c.partition, sa.func.min(off.c.acked_offset).label("low"))
+            .where(off.c.topic == topic)
+            .group_by(off.c.partition)
+            .subquery()
+        )
+        self.collectable = (
+            sa.select(heads.c.partition, lowest.c.low)
+            .select_from(heads.join(lowest, lowest.c.partition == heads.c.partition))
+            .where(heads.c.topic == topic, lowest.c.low > heads.c.collected)
+        )
+        self.lock_collected = sa.select(heads.c.collected).where(head_key).with_for_update()
+        self.lowest_watermark = sa.select(sa.func.min(off.c.acked_offset)).where(
+            off.c.topic == topic, off.c.partition == part
+        )
+        self.collect = sa.delete(log).where(log_part, log.c.message_offset <= _bp("upto"))
+        self.set_collected = sa.update(heads).where(head_key).values(collected=_bp("upto"))
+
+
+_cache: weakref.WeakKeyDictionary[Dialect, dict[tuple[str, str | None, bool], TopicStatements]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+def statements_for(dialect: Dialect, prefix: str, schema: str | None, manual_clock: bool) -> TopicStatements:
+    """The statements for this engine's dialect, made once per table set and clock mode (they go with it)."""
+    with _lock:
+        mine = _cache.setdefault(dialect, {})
+        found = mine.get((prefix, schema, manual_clock))
+        if found is None:
+            now = _bp("now") if manual_clock else dialect.now_ms()
+            found = mine[prefix, schema, manual_clock] = TopicStatements(
+                dialect, make_tables(prefix, schema).topics, now
+            )
+        return found

@@ -1,0 +1,580 @@
+"""Subscription: one subscriber of a consumer group on a topic.
+
+It joins the group, shares the topic's partitions with the group's other live subscribers
+(leases with fencing epochs), polls the partitions it holds, and acks, nacks or extends what it
+got. Every write of a lease holder first finds and locks its lease row by (holder, epoch): a
+subscriber whose lease was stolen changes nothing. See docs/topics.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import math
+import threading
+from collections.abc import Callable, Collection
+from typing import Any, Literal, TypeVar
+
+from sqlalchemy.engine import Connection, Engine
+
+from delayq.clock import Clock, duration_ms, from_ms
+from delayq.dialects import Dialect
+from delayq.errors import InvalidInputError, SerializationMismatchError
+from delayq.schema import DEFAULT_PREFIX
+from delayq.serializers import JsonSerializer, Serializer
+from delayq.topics.context import TopicContext
+from delayq.topics.dead_letters import bury
+from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
+from delayq.topics.names import MAX_TOPIC_NAME, check_group, check_subscriber, check_topic_stored, dead_letter_topic
+from delayq.topics.statements import PENDING, TopicStatements
+from delayq.topics.topic import ensure_topic
+from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
+
+T = TypeVar("T")
+Start = Literal["earliest", "latest"]
+
+
+class Subscription:
+    """One subscriber (``name``) of consumer group ``group`` on ``topic``. Its methods may be called from
+    several threads (a worker's poller, heartbeat and handlers).
+
+    Args:
+        engine: the engine of the database holding delayq's tables.
+        topic: the topic (created with ``Topic.create``).
+        group: the consumer group: letters, digits, ``.``, ``_``, ``-``. Groups read the topic independently.
+        name: this subscriber's name, unique in the group (a host and process id, say).
+        start: where a group that does not exist yet starts: ``"earliest"`` (the oldest message the
+            log retains) or ``"latest"`` (only messages published after it was created). Defaults to earliest.
+        lease_duration: how long a partition's lease and a heartbeat last without renewal; a
+            subscriber that stops renewing loses its partitions to others after it. 30 s by default.
+        visibility_timeout: how long a delivered message stays invisible to further polls. 5 min by default.
+        max_attempts: after this many deliveries without an ack, the message goes to ``{topic}_dlq``
+            (a nack of the last attempt moves it at once; a subscriber that crashes on it every time
+            has it moved by the next poll). 10 by default; None never dead-letters.
+        strict: deliver one message of a partition at a time, in offset order (the next only after
+            this one is acked or dead-lettered). Off by default: messages of a partition are
+            delivered in order but may be in flight together and acked out of order.
+        scan_limit: how many offsets above the watermark a poll looks at per partition. 200.
+        serializer, clock, table_prefix, schema, transient_retry: as for ``DelayedQueue``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        topic: str,
+        group: str,
+        name: str,
+        *,
+        start: Start = "earliest",
+        lease_duration: dt.timedelta = dt.timedelta(seconds=30),
+        visibility_timeout: dt.timedelta = dt.timedelta(minutes=5),
+        max_attempts: int | None = 10,
+        strict: bool = False,
+        scan_limit: int = 200,
+        serializer: Serializer | None = None,
+        clock: Clock | None = None,
+        table_prefix: str = DEFAULT_PREFIX,
+        schema: str | None = None,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
+    ) -> None:
+        self.topic = check_topic_stored(topic)
+        if max_attempts is not None and len(self.topic) > MAX_TOPIC_NAME:
+            raise InvalidInputError(
+                f"topic {topic!r} is too long for a dead-letter topic of its own: pass max_attempts=None"
+            )
+        self.group = check_group(group)
+        self.name = check_subscriber(name)
+        if start not in ("earliest", "latest"):
+            raise InvalidInputError(f"start must be 'earliest' or 'latest', got {start!r}")
+        self.start = start
+        self._lease_ms = duration_ms(lease_duration, "lease_duration")
+        self._visibility_ms = duration_ms(visibility_timeout, "visibility_timeout")
+        if self._lease_ms <= 0 or self._visibility_ms <= 0:
+            raise InvalidInputError("lease_duration and visibility_timeout must be positive")
+        if max_attempts is not None and (not isinstance(max_attempts, int) or max_attempts < 1):
+            raise InvalidInputError(f"max_attempts must be at least 1 or None, got {max_attempts!r}")
+        if not isinstance(scan_limit, int) or scan_limit < 1:
+            raise InvalidInputError(f"scan_limit must be a positive int, got {scan_limit!r}")
+        self.max_attempts = max_attempts
+        self.strict = strict
+        self.scan_limit = scan_limit
+        self.serializer: Serializer = serializer or JsonSerializer()
+        self.ctx = TopicContext(
+            engine, clock=clock, table_prefix=table_prefix, schema=schema, transient_retry=transient_retry
+        )
+        self._partitions: int | None = None
+        # Replaced, never changed in place (under ``_held_lock``): threads read it without a lock.
+        self._held: dict[int, int] = {}
+        self._held_lock = threading.Lock()
+        self._turn = 0
+
+    def __repr__(self) -> str:
+        return f"Subscription({self.topic!r}, group={self.group!r}, name={self.name!r})"
+
+    @property
+    def held(self) -> dict[int, int]:
+        """The partitions this subscriber holds, each with its lease's epoch (as of the last rebalance or poll)."""
+        return dict(self._held)
+
+    # -- membership ---------------------------------------------------------------------------------
+    def join(self, *, using: Using = None) -> None:
+        """Create the group's rows for the topic if it has none (its start per ``start``) and send a heartbeat."""
+
+        def op(conn: Connection, dialect: Dialect) -> None:
+            stmts = self.ctx.stmts(dialect)
+            partitions = self.ctx.partitions(conn, stmts, self.topic)
+            now = self.ctx.now(conn, stmts)
+            g = {"group": self.group, "topic_name": self.topic}
+            if conn.execute(stmts.group_partitions, g).scalar_one() < partitions:
+                heads = conn.execute(stmts.heads_for_group, g).all()  # locked: ordered with garbage collection
+                conn.execute(
+                    stmts.create_offset,
+                    [
+                        {**g, "part": h.partition, "now_v": now}
+                        | {"acked": h.collected if self.start == "earliest" else h.head}
+                        for h in heads
+                    ],
+                )
+                conn.execute(stmts.create_lease, [{**g, "part": h.partition} for h in heads])
+            if self.max_attempts is not None:
+                ensure_topic(conn, stmts, dead_letter_topic(self.topic), partitions, now)
+            conn.execute(stmts.heartbeat, {**g, "me": self.name, "now_v": now})
+            self._partitions = partitions
+
+        self.ctx.runner.run(using, op, "transaction")
+
+    def heartbeat(self, *, using: Using = None) -> None:
+        """Tell the group this subscriber is alive (``rebalance`` does it too)."""
+
+        def op(conn: Connection, dialect: Dialect) -> None:
+            stmts = self.ctx.stmts(dialect)
+            now = self.ctx.now(conn, stmts)
+            conn.execute(
+                stmts.heartbeat, {"group": self.group, "topic_name": self.topic, "me": self.name, "now_v": now}
+            )
+
+        self.ctx.runner.run(using, op, "statement")
+
+    def rebalance(self, *, busy: Collection[int] = (), using: Using = None) -> dict[int, int]:
+        """Heartbeat, renew the leases held, then hold the fair share: ``ceil(partitions / live subscribers)``.
+
+        Partitions beyond the share are released: first those not in ``busy`` (a worker passes the
+        partitions it has deliveries in flight for, whose acks a release would fence out), the
+        highest first, so the same ones go every time. Below it, free or expired leases are taken
+        (an expired one is stolen: its epoch goes up, fencing its old holder). Returns the
+        partitions held, each with its epoch. One transaction, a handful of statements; call it
+        about three times per ``lease_duration``.
+        """
+        if self._partitions is None:
+            self.join(using=using)
+        partitions = self._partitions
+        assert partitions is not None
+
+        def op(conn: Connection, dialect: Dialect) -> dict[int, int]:
+            stmts = self.ctx.stmts(dialect)
+            now = self.ctx.now(conn, stmts)
+            g = {"group": self.group, "topic_name": self.topic, "me": self.name}
+            conn.execute(stmts.heartbeat, {**g, "now_v": now})
+            live = int(conn.execute(stmts.live_subscribers, {**g, "live_after": now - self._lease_ms}).scalar_one())
+            share = math.ceil(partitions / max(live, 1))
+            until = now + self._lease_ms
+            conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
+            mine = {int(r.partition): int(r.epoch) for r in conn.execute(stmts.my_leases, g)}
+            if len(mine) > share:
+                excess = sorted(mine, key=lambda p: (p in busy, -p))[: len(mine) - share]
+                conn.execute(stmts.release, {**g, "parts": excess})
+                for p in excess:
+                    del mine[p]
+            elif len(mine) < share:
+                free = list(conn.execute(stmts.free_leases, {**g, "now_v": now, "limit": share - len(mine)}).scalars())
+                if free:
+                    conn.execute(stmts.take, {**g, "parts": free, "now_v": now, "until": until})
+                    mine.update(
+                        {int(r.partition): int(r.epoch) for r in conn.execute(stmts.taken, {**g, "parts": free})}
+                    )
+            return mine
+
+        held = self.ctx.runner.run(using, op, "transaction")
+        with self._held_lock:
+            self._held = held
+        return dict(held)
+
+    def close(self, *, using: Using = None) -> None:
+        """Leave the group at once: release every lease and deregister, so the others take the partitions
+        on their next rebalance (no waiting for leases to expire). Deliveries not acked come back to
+        whoever takes their partition, after their visibility timeout."""
+
+        def op(conn: Connection, dialect: Dialect) -> None:
+            stmts = self.ctx.stmts(dialect)
+            now = self.ctx.now(conn, stmts)
+            g = {"group": self.group, "topic_name": self.topic, "me": self.name}
+            conn.execute(stmts.release_all, g)
+            conn.execute(stmts.deregister, {**g, "now_v": now})
+
+        self.ctx.runner.run(using, op, "transaction")
+        with self._held_lock:
+            self._held = {}
+
+    # -- consuming ----------------------------------------------------------------------------------
+    def poll(self, limit: int = 10, *, using: Using = None) -> list[TopicDelivery]:
+        """Up to ``limit`` deliverable messages from the partitions held, each partition in offset order.
+
+        A message is deliverable when this group never delivered it, or its visibility timeout or
+        nack delay has passed (with ``strict``, only the partition's first message not done, and
+        only when no other is in flight). Delivering it counts an attempt and hides it for the
+        visibility timeout; one that was delivered ``max_attempts`` times already goes to the
+        dead-letter topic instead. The watermark of each partition visited advances first.
+        Costs one read to find the held partitions with messages above their watermark, then one
+        transaction per such partition visited (partitions take turns between polls).
+        """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
+        if not self._held:
+            return []
+
+        candidates = sorted(p for p, (mark, head) in self._progress(using).items() if head > mark)
+        if not candidates:
+            return []
+        self._turn = (self._turn + 1) % len(candidates)
+        order = candidates[self._turn :] + candidates[: self._turn]
+        out: list[TopicDelivery] = []
+        for partition in order:
+            epoch = self._held.get(partition)
+            if epoch is None:
+                continue
+            want = limit - len(out)
+            got = self.ctx.runner.run(
+                using, functools.partial(self._poll_partition, p=partition, e=epoch, want=want), "transaction"
+            )
+            if got is None:
+                self._drop(partition)
+                continue
+            out.extend(got)
+            if len(out) >= limit:
+                break
+        return out
+
+    def advance_watermarks(self, *, using: Using = None) -> dict[int, int]:
+        """Advance the watermark of every partition held past its contiguous done messages, and delete the
+        delivery states behind it. Polls do it for the partitions they visit; a worker calls this on a
+        tick so partitions that no poll visits catch up too. One read, then one transaction per partition
+        held with messages above its watermark. Returns the watermarks of the partitions held."""
+        marks: dict[int, int] = {}
+        progress = self._progress(using)
+        for partition, epoch in sorted(self._held.items()):
+            mark, head = progress.get(partition, (0, 0))
+            if head <= mark:
+                marks[partition] = mark
+                continue
+
+            def op(conn: Connection, dialect: Dialect, p: int = partition, e: int = epoch) -> int | None:
+                stmts = self.ctx.stmts(dialect)
+                key = self._key(p)
+                row = conn.execute(stmts.hold_exclusive, self._fence(key, e)).first()
+                if row is None:
+                    return None
+                advanced, _, _ = self._scan(conn, stmts, key, int(row.now))
+                return advanced
+
+            found = self.ctx.runner.run(using, op, "transaction")
+            if found is None:
+                self._drop(partition)
+            else:
+                marks[partition] = found
+        return marks
+
+    def watermarks(self, *, using: Using = None) -> dict[int, int]:
+        """The group's watermark of every partition (every offset at or below it is done for the group)."""
+
+        def op(conn: Connection, dialect: Dialect) -> dict[int, int]:
+            rows = conn.execute(self.ctx.stmts(dialect).group_offsets, {"group": self.group, "topic_name": self.topic})
+            return {int(r.partition): int(r.acked_offset) for r in rows}
+
+        return self.ctx.runner.run(using, op, "read")
+
+    # -- outcomes -----------------------------------------------------------------------------------
+    def ack(self, delivery: TopicDelivery, *, using: Using = None) -> bool:
+        """See ``TopicDelivery.ack``. One transaction: lock the lease (shared), mark the delivery acked."""
+
+        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
+            return conn.execute(stmts.ack, self._this(key, delivery)).rowcount == 1
+
+        return bool(self._fenced(delivery, op, using))
+
+    def ack_many(self, deliveries: list[TopicDelivery], *, using: Using = None) -> list[bool]:
+        """Ack several deliveries: one transaction per partition (its lease locked once); a result per delivery."""
+        results = [False] * len(deliveries)
+        by_lease: dict[tuple[int, int], list[int]] = {}
+        for i, d in enumerate(deliveries):
+            by_lease.setdefault((d.partition, d.epoch), []).append(i)
+        for (partition, epoch), indexes in sorted(by_lease.items()):
+
+            def op(
+                conn: Connection, dialect: Dialect, p: int = partition, e: int = epoch, ix: list[int] = indexes
+            ) -> None:
+                stmts = self.ctx.stmts(dialect)
+                key = self._key(p)
+                if conn.execute(stmts.hold_shared, self._fence(key, e)).first() is None:
+                    return
+                for i in ix:
+                    results[i] = conn.execute(stmts.ack, self._this(key, deliveries[i])).rowcount == 1
+
+            self.ctx.runner.run(using, op, "transaction")
+        return results
+
+    def nack(
+        self,
+        delivery: TopicDelivery,
+        delay: dt.timedelta = dt.timedelta(0),
+        error: str | None = None,
+        *,
+        using: Using = None,
+    ) -> bool:
+        """See ``TopicDelivery.nack``."""
+        delay_ms = duration_ms(delay, "delay")
+        if delay_ms < 0:
+            raise InvalidInputError("delay must not be negative")
+
+        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
+            if self.max_attempts is not None and delivery.attempts >= self.max_attempts:
+                return self._bury(conn, stmts, key, delivery.offset, delivery.attempts, error)
+            params = {**self._this(key, delivery), "until": now + delay_ms, "error": error}
+            return conn.execute(stmts.nack, params).rowcount == 1
+
+        return bool(self._fenced(delivery, op, using))
+
+    def fail(self, delivery: TopicDelivery, error: str, *, using: Using = None) -> bool:
+        """See ``TopicDelivery.fail``."""
+
+        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
+            return self._bury(conn, stmts, key, delivery.offset, delivery.attempts, error)
+
+        return bool(self._fenced(delivery, op, using))
+
+    def extend(self, delivery: TopicDelivery, by: dt.timedelta, *, using: Using = None) -> dt.datetime | None:
+        """See ``TopicDelivery.extend``."""
+        by_ms = duration_ms(by, "by")
+
+        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> int | None:
+            if conn.execute(stmts.extend, {**self._this(key, delivery), "until": now + by_ms}).rowcount != 1:
+                return None
+            return int(conn.execute(stmts.visible_until, {**key, "offset": delivery.offset}).scalar_one())
+
+        found = self._fenced(delivery, op, using, lost=None)
+        return None if found is None else from_ms(found)
+
+    def handle_exactly_once(
+        self, delivery: TopicDelivery, handler: Callable[[Connection], T], *, using: Using = None
+    ) -> T:
+        """Run ``handler(conn)`` and ack ``delivery`` in one transaction (delayq's own, or the caller's).
+
+        When the lease or the delivery was lost, ``LeaseLostError`` is raised and the handler's
+        writes roll back with it (in the caller's transaction: the caller must roll back). So a
+        message's database effects commit once per group, whatever crashes and redeliveries.
+        """
+
+        def op(conn: Connection, dialect: Dialect) -> T:
+            result = handler(conn)
+            stmts = self.ctx.stmts(dialect)
+            key = self._key(delivery.partition)
+            lost = conn.execute(stmts.hold_shared, self._fence(key, delivery.epoch)).first() is None
+            if lost or conn.execute(stmts.ack, self._this(key, delivery)).rowcount != 1:
+                raise LeaseLostError(
+                    f"{self.name} lost offset {delivery.offset} of {self.topic}[{delivery.partition}]: rolled back"
+                )
+            return result
+
+        return self.ctx.runner.run(using, op, "transaction")
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _drop(self, partition: int) -> None:
+        """Forget a partition whose lease was lost."""
+        with self._held_lock:
+            self._held = {p: e for p, e in self._held.items() if p != partition}
+
+    def _progress(self, using: Using) -> dict[int, tuple[int, int]]:
+        """Each partition held: (the group's watermark, the partition's head). One read."""
+        if not self._held:
+            return {}
+
+        def op(conn: Connection, dialect: Dialect) -> dict[int, tuple[int, int]]:
+            params = {"group": self.group, "topic_name": self.topic, "parts": sorted(self._held)}
+            rows = conn.execute(self.ctx.stmts(dialect).with_work, params)
+            return {int(r.partition): (int(r.acked_offset), int(r.head)) for r in rows}
+
+        return self.ctx.runner.run(using, op, "read")
+
+    def _key(self, partition: int) -> dict[str, Any]:
+        return {"group": self.group, "topic_name": self.topic, "part": partition}
+
+    def _fence(self, key: dict[str, Any], epoch: int) -> dict[str, Any]:
+        return {**key, "me": self.name, "lease_epoch": epoch, **self.ctx.now_param()}
+
+    @staticmethod
+    def _this(key: dict[str, Any], delivery: TopicDelivery) -> dict[str, Any]:
+        return {**key, "offset": delivery.offset, "attempt_no": delivery.attempts}
+
+    def _fenced(
+        self,
+        delivery: TopicDelivery,
+        op: Callable[[Connection, TopicStatements, dict[str, Any], int], Any],
+        using: Using,
+        lost: Any = False,
+    ) -> Any:
+        """Run ``op`` after finding and locking (shared) this subscriber's lease of the delivery's partition."""
+
+        def run(conn: Connection, dialect: Dialect) -> Any:
+            stmts = self.ctx.stmts(dialect)
+            key = self._key(delivery.partition)
+            row = conn.execute(stmts.hold_shared, self._fence(key, delivery.epoch)).first()
+            if row is None:
+                return lost
+            return op(conn, stmts, key, int(row.now))
+
+        return self.ctx.runner.run(using, run, "transaction")
+
+    def _bury(
+        self,
+        conn: Connection,
+        stmts: TopicStatements,
+        key: dict[str, Any],
+        offset: int,
+        attempts: int,
+        error: str | None,
+    ) -> bool:
+        message = conn.execute(stmts.messages, {**key, "offsets": [offset]}).one()
+        return bury(conn, stmts, self.ctx.now_param(), key, message, attempts, error)
+
+    def _scan(
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int
+    ) -> tuple[int, list[int], dict[int, Any]]:
+        """Advance the partition's watermark past its contiguous done messages; return it, the offsets
+        scanned above it and their delivery states."""
+        mark = int(conn.execute(stmts.watermark, key).scalar_one())
+        offsets = [
+            int(o)
+            for o in conn.execute(stmts.offsets_after, {**key, "after": mark, "limit": self.scan_limit}).scalars()
+        ]
+        if not offsets:
+            return mark, [], {}
+        states = {
+            int(r.message_offset): r for r in conn.execute(stmts.states, {**key, "after": mark, "upto": offsets[-1]})
+        }
+        new = mark
+        for o in offsets:
+            state = states.get(o)
+            if state is None or state.status == PENDING:
+                break
+            new = o
+        if new > mark:
+            conn.execute(stmts.set_watermark, {**key, "acked": new, "now_v": now})
+            conn.execute(stmts.forget_states, {**key, "upto": new})
+        return new, [o for o in offsets if o > new], states
+
+    def _poll_partition(
+        self, conn: Connection, dialect: Dialect, p: int, e: int, want: int
+    ) -> list[TopicDelivery] | None:
+        partition, epoch = p, e
+        stmts = self.ctx.stmts(dialect)
+        key = self._key(partition)
+        held = conn.execute(stmts.hold_exclusive, self._fence(key, epoch)).first()
+        if held is None:
+            return None
+        now = int(held.now)
+        _, offsets, states = self._scan(conn, stmts, key, now)
+        fresh: list[int] = []
+        again: dict[int, int] = {}
+        doomed: dict[int, tuple[int, str | None]] = {}
+        for o in offsets:
+            state = states.get(o)
+            if state is not None and state.status != PENDING:
+                continue
+            if state is not None and state.invisible_until > now:
+                if self.strict:
+                    break
+                continue
+            if state is not None and self.max_attempts is not None and state.attempts >= self.max_attempts:
+                doomed[o] = (int(state.attempts), f"delivered {state.attempts} times without an ack")
+                continue
+            if state is None:
+                fresh.append(o)
+            else:
+                again[o] = int(state.attempts)
+            if self.strict or len(fresh) + len(again) >= want:
+                break
+        if not (fresh or again or doomed):
+            return []
+        rows = {
+            int(r.message_offset): r
+            for r in conn.execute(stmts.messages, {**key, "offsets": fresh + list(again) + list(doomed)})
+        }
+        out: list[TopicDelivery] = []
+        until = now + self._visibility_ms
+        for o in sorted([*fresh, *again]):
+            row = rows[o]
+            try:
+                payload = self._decode(row)
+            except SerializationMismatchError as exc:
+                doomed[o] = (again.get(o, 0), str(exc))
+                continue
+            out.append(self._delivery(row, partition, epoch, again.get(o, 0) + 1, until, payload))
+        new_rows = [
+            {"consumer_group": self.group, "topic": self.topic, "partition": partition, "message_offset": o}
+            | {"status": PENDING, "invisible_until": until, "attempts": 1}
+            for o in fresh
+            if o not in doomed
+        ]
+        if new_rows:
+            conn.execute(stmts.insert_state, new_rows)
+        redelivered = [o for o in again if o not in doomed]
+        if redelivered:
+            conn.execute(stmts.redeliver, {**key, "offsets": redelivered, "until": until})
+        for o, (attempts, error) in doomed.items():
+            if attempts == 0:  # never delivered: give it a state to bury
+                conn.execute(
+                    stmts.insert_state,
+                    [
+                        {"consumer_group": self.group, "topic": self.topic, "partition": partition, "message_offset": o}
+                        | {"status": PENDING, "invisible_until": now, "attempts": 0}
+                    ],
+                )
+            bury(conn, stmts, self.ctx.now_param(), key, rows[o], attempts, error)
+        return out
+
+    def _decode(self, row: Any) -> Any:
+        tag = self.serializer.type_tag
+        if row.payload_type != tag:
+            raise SerializationMismatchError(
+                f"message {row.message_id!r} of topic {self.topic!r} was written as {row.payload_type!r}, "
+                f"read as {tag!r}"
+            )
+        try:
+            return self.serializer.loads(bytes(row.payload))
+        except (TypeError, ValueError) as exc:
+            raise SerializationMismatchError(f"message {row.message_id!r} of topic {self.topic!r}: {exc}") from exc
+
+    def _delivery(self, row: Any, partition: int, epoch: int, attempts: int, until: int, payload: Any) -> TopicDelivery:
+        dead = None
+        if row.original_topic is not None:
+            dead = DeadLetterInfo(
+                row.original_topic,
+                int(row.original_offset),
+                row.failed_group,
+                from_ms(int(row.failed_at)),
+                int(row.failure_count),
+                row.last_error,
+            )
+        return TopicDelivery(
+            topic=self.topic,
+            partition=partition,
+            offset=int(row.message_offset),
+            partition_key=row.partition_key,
+            message_id=row.message_id,
+            payload=payload,
+            published_at=from_ms(int(row.published_at)),
+            attempts=attempts,
+            invisible_until=from_ms(until),
+            epoch=epoch,
+            dead_letter=dead,
+            _subscription=self,
+        )

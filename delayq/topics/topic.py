@@ -1,0 +1,243 @@
+"""Topic: create it, publish to it (idempotently, in commit order per partition), collect its garbage."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+
+from delayq.clock import Clock
+from delayq.dialects import Dialect
+from delayq.errors import InvalidInputError
+from delayq.messages import OfferOutcome
+from delayq.schema import DEFAULT_PREFIX
+from delayq.serializers import JsonSerializer, Serializer, encode
+from delayq.topics.context import TopicContext
+from delayq.topics.names import (
+    check_message_id,
+    check_partition_key,
+    check_partitions,
+    check_topic,
+    dead_letter_topic,
+    partition_for,
+)
+from delayq.topics.statements import TopicStatements
+from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """One partition of a topic: its last offset and the offset up to which the log was collected."""
+
+    partition: int
+    head: int
+    collected: int
+
+
+class Topic:
+    """A named, partitioned, append-only log of messages in the database.
+
+    Args:
+        engine: the engine of the database holding delayq's tables.
+        name: letters, digits, ``.``, ``_`` and ``-``, at most 96 characters (its dead letters go to
+            ``{name}_dlq``).
+        serializer: encodes payloads; defaults to ``JsonSerializer()``.
+        clock: where "now" comes from (``published_at``); the database's clock by default.
+        table_prefix, schema, transient_retry: as for ``DelayedQueue``.
+
+    A message goes to the partition of its partition key (``partition_for``); within a partition
+    offsets are 1, 2, 3, … in the order the publishing transactions commit, with no gaps.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        *,
+        serializer: Serializer | None = None,
+        clock: Clock | None = None,
+        table_prefix: str = DEFAULT_PREFIX,
+        schema: str | None = None,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
+    ) -> None:
+        self.name = check_topic(name)
+        self.serializer: Serializer = serializer or JsonSerializer()
+        self.ctx = TopicContext(
+            engine, clock=clock, table_prefix=table_prefix, schema=schema, transient_retry=transient_retry
+        )
+        self._partitions: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Topic({self.name!r})"
+
+    # -- creation -------------------------------------------------------------------------------
+    def create(self, partitions: int, *, using: Using = None) -> int:
+        """Create the topic (and its dead-letter topic) with ``partitions`` partitions, unless it exists.
+
+        The partition count is fixed at creation: creating an existing topic with another count is
+        an ``InvalidInputError``. Returns the partition count.
+        """
+        check_partitions(partitions)
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            stmts = self.ctx.stmts(dialect)
+            now = self.ctx.now(conn, stmts)
+            ensure_topic(conn, stmts, self.name, partitions, now)
+            ensure_topic(conn, stmts, dead_letter_topic(self.name), partitions, now)
+            return partitions
+
+        self._partitions = self.ctx.runner.run(using, op, "transaction")
+        return self._partitions
+
+    def partitions(self, *, using: Using = None) -> int:
+        """The topic's partition count (read once, then remembered: it never changes)."""
+        if self._partitions is None:
+            self._partitions = self.ctx.runner.run(
+                using, lambda conn, d: self.ctx.partitions(conn, self.ctx.stmts(d), self.name), "read"
+            )
+        return self._partitions
+
+    # -- publishing -----------------------------------------------------------------------------
+    def publish(self, partition_key: str, message_id: str, payload: Any, *, using: Using = None) -> OfferOutcome:
+        """Append a message unless ``(topic, partition_key, message_id)`` is in the log already.
+
+        ``CREATED`` or ``IGNORED``. With ``using=`` a ``Connection`` or ``Session``, it is part of the
+        caller's transaction (an outbox): it becomes visible when that commits, and other publishers
+        of the same partition wait for it (that is what keeps offsets in commit order).
+        """
+        return self.publish_many([(partition_key, message_id, payload)], using=using)[0]
+
+    def publish_many(self, items: Iterable[tuple[str, str, Any]], *, using: Using = None) -> list[OfferOutcome]:
+        """Publish ``(partition_key, message_id, payload)`` items in one transaction; one outcome per item.
+
+        Everything is checked before anything is written. An id that repeats within the batch is
+        ``IGNORED`` after its first. Partitions are locked in ascending order, so concurrent batches
+        do not deadlock. Four statements in one transaction, however many partitions it touches.
+        """
+        prepared = [
+            (check_partition_key(key), check_message_id(mid), encode(self.serializer, payload))
+            for key, mid, payload in items
+        ]
+        if not prepared:
+            return []
+
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self.ctx.stmts(dialect)
+            if self._partitions is None:
+                self._partitions = self.ctx.partitions(conn, stmts, self.name)
+            n = self._partitions
+            items = [(partition_for(key, n), key, mid, payload) for key, mid, payload in prepared]
+            created = append(conn, stmts, self.ctx.now_param(), self.name, items, self.serializer.type_tag)
+            return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED for made in created]
+
+        return self.ctx.runner.run(using, op, "transaction")
+
+    # -- operators ------------------------------------------------------------------------------
+    def heads(self, *, using: Using = None) -> list[PartitionInfo]:
+        """Each partition's last offset and collected offset."""
+
+        def op(conn: Connection, dialect: Dialect) -> list[PartitionInfo]:
+            rows = conn.execute(self.ctx.stmts(dialect).heads_of_topic, {"topic_name": self.name})
+            return [PartitionInfo(int(r.partition), int(r.head), int(r.collected)) for r in rows]
+
+        return self.ctx.runner.run(using, op, "read")
+
+    def collect_garbage(self, *, using: Using = None) -> int:
+        """Delete the log's messages at or below the lowest watermark of all the topic's groups.
+
+        A partition no group reads is kept whole. Returns how many messages were deleted.
+        """
+
+        def find(conn: Connection, dialect: Dialect) -> list[tuple[int, int]]:
+            rows = conn.execute(self.ctx.stmts(dialect).collectable, {"topic_name": self.name})
+            return [(int(r.partition), int(r.low)) for r in rows]
+
+        deleted = 0
+        for partition, _ in self.ctx.runner.run(using, find, "read"):
+            deleted += self.ctx.runner.run(using, functools.partial(self._collect, partition=partition), "transaction")
+        return deleted
+
+    def _collect(self, conn: Connection, dialect: Dialect, partition: int) -> int:
+        # The head row's lock orders this with a group being created (which reads where to start under it).
+        stmts = self.ctx.stmts(dialect)
+        key = {"topic_name": self.name, "part": partition}
+        collected = conn.execute(stmts.lock_collected, key).scalar()
+        low = conn.execute(stmts.lowest_watermark, key).scalar()
+        if collected is None or low is None or low <= collected:
+            return 0
+        deleted = int(conn.execute(stmts.collect, {**key, "upto": low}).rowcount)
+        conn.execute(stmts.set_collected, {**key, "upto": low})
+        return deleted
+
+
+def ensure_topic(conn: Connection, stmts: TopicStatements, topic: str, partitions: int, now: int) -> None:
+    """Create a topic's row and its partitions' head rows unless they exist; refuse another partition count."""
+    conn.execute(stmts.create_topic, {"topic_name": topic, "partition_count": partitions, "now_v": now})
+    existing = int(conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one())
+    if existing != partitions:
+        raise InvalidInputError(f"topic {topic!r} exists with {existing} partitions, not {partitions}")
+    conn.execute(stmts.create_head, [{"topic_name": topic, "part": p} for p in range(partitions)])
+
+
+def append(
+    conn: Connection,
+    stmts: TopicStatements,
+    now_param: dict[str, int],
+    topic: str,
+    items: Sequence[tuple[int, str, str, bytes]],
+    payload_type: str,
+    extra: Sequence[dict[str, Any]] | None = None,
+) -> list[bool]:
+    """Append ``(partition, partition_key, message_id, payload)`` items, skipping ids in the log; per item,
+    whether it was created. Four statements, whatever the number of partitions touched.
+
+    The partitions' head rows are locked first, in ascending order: publishers of a partition take
+    their offsets one transaction after another, so offsets follow commit order with no gaps. Ids
+    are looked up under those locks with a plain read: every key of a partition is published under
+    its lock, and at READ COMMITTED (delayq's own transactions) the read sees what the previous
+    holder committed. (A locking read would wait for an uncommitted publisher of another partition
+    on MySQL.) In a caller's REPEATABLE READ transaction that read an older snapshot, a duplicate can
+    fail the unique constraint instead of being ignored.
+    """
+    parts = sorted({p for p, _, _, _ in items})
+    locked = conn.execute(stmts.lock_heads, {"topic_name": topic, "parts": parts, **now_param}).all()
+    if len(locked) != len(parts):
+        raise InvalidInputError(
+            f"topic {topic!r} lacks partitions {sorted(set(parts) - {r.partition for r in locked})}"
+        )
+    heads = {int(r.partition): int(r.head) for r in locked}
+    now = int(locked[0].now)
+    pairs = list({(k, mid) for _, k, mid, _ in items})
+    existing = {
+        (r.partition_key, r.message_id) for r in conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": pairs})
+    }
+    created: list[bool] = []
+    rows: list[dict[str, Any]] = []
+    for i, (partition, k, mid, payload) in enumerate(items):
+        if (k, mid) in existing:
+            created.append(False)
+            continue
+        existing.add((k, mid))
+        heads[partition] += 1
+        rows.append(
+            {
+                "topic": topic,
+                "partition": partition,
+                "message_offset": heads[partition],
+                "partition_key": k,
+                "message_id": mid,
+                "payload": payload,
+                "payload_type": payload_type,
+                "published_at": now,
+                **(extra[i] if extra is not None else {}),
+            }
+        )
+        created.append(True)
+    if rows:
+        conn.execute(stmts.insert_log, rows)
+        moved = sorted({r["partition"] for r in rows})
+        conn.execute(stmts.set_head, [{"topic_name": topic, "part": p, "new_head": heads[p]} for p in moved])
+    return created

@@ -1,0 +1,118 @@
+"""Operator views of topics: what ``delayq topics ls`` and ``delayq topics lag`` show."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from delayq.clock import from_ms
+from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.topics.statements import PENDING
+
+
+@dataclass(frozen=True)
+class TopicSummary:
+    """A topic: its partitions, the sum of their head offsets and how many messages the log still holds."""
+
+    topic: str
+    partitions: int
+    published: int
+    retained: int
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """One partition as one consumer group sees it."""
+
+    partition: int
+    head: int
+    watermark: int
+    lag: int
+    pending: int
+    holder: str | None
+    epoch: int
+    lease_expires_at: dt.datetime | None
+
+
+def list_topics(engine: Engine, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> list[TopicSummary]:
+    """Every topic, by name (two reads)."""
+    t = make_tables(table_prefix, schema).topics
+    heads = (
+        sa.select(
+            t.heads.c.topic,
+            sa.func.sum(t.heads.c.head).label("published"),
+            sa.func.sum(t.heads.c.head - t.heads.c.collected).label("retained"),
+        )
+        .group_by(t.heads.c.topic)
+        .subquery()
+    )
+    query = (
+        sa.select(t.topics.c.topic, t.topics.c.partitions, heads.c.published, heads.c.retained)
+        .select_from(t.topics.outerjoin(heads, heads.c.topic == t.topics.c.topic))
+        .order_by(t.topics.c.topic)
+    )
+    with engine.connect() as conn:
+        return [
+            TopicSummary(r.topic, int(r.partitions), int(r.published or 0), int(r.retained or 0))
+            for r in conn.execute(query)
+        ]
+
+
+def group_lag(
+    engine: Engine, topic: str, group: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
+) -> list[PartitionLag]:
+    """Per partition of ``topic`` for ``group``: head, watermark, lag, deliveries not done, and the lease.
+
+    ``lag`` is head minus watermark (messages not yet passed by the watermark, including those
+    acked out of order); ``pending`` counts delivered messages not acked or dead-lettered.
+    """
+    t = make_tables(table_prefix, schema).topics
+    off, heads, le, dl = t.offsets, t.heads, t.leases, t.deliveries
+    pending = (
+        sa.select(dl.c.partition, sa.func.count().label("n"))
+        .where(dl.c.consumer_group == group, dl.c.topic == topic, dl.c.status == PENDING)
+        .group_by(dl.c.partition)
+        .subquery()
+    )
+    query = (
+        sa.select(
+            off.c.partition,
+            heads.c.head,
+            off.c.acked_offset,
+            pending.c.n,
+            le.c.holder,
+            le.c.epoch,
+            le.c.expires_at,
+        )
+        .select_from(
+            off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition))
+            .outerjoin(
+                le,
+                sa.and_(
+                    le.c.consumer_group == off.c.consumer_group,
+                    le.c.topic == off.c.topic,
+                    le.c.partition == off.c.partition,
+                ),
+            )
+            .outerjoin(pending, pending.c.partition == off.c.partition)
+        )
+        .where(off.c.consumer_group == group, off.c.topic == topic)
+        .order_by(off.c.partition)
+    )
+    with engine.connect() as conn:
+        return [
+            PartitionLag(
+                int(r.partition),
+                int(r.head),
+                int(r.acked_offset),
+                int(r.head) - int(r.acked_offset),
+                int(r.n or 0),
+                r.holder,
+                int(r.epoch or 0),
+                from_ms(int(r.expires_at)) if r.holder is not None else None,
+            )
+            for r in conn.execute(query)
+        ]

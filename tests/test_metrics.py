@@ -1,0 +1,138 @@
+"""Prometheus metrics: counted in-process into an application's own registry, and scraped from a worker process."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import REPO_ROOT, Backend
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from test_worker import wait_until
+
+from delayq import DelayedQueue, Delivery, Handler, ManualClock, RetryPolicy, Worker
+from delayq.metrics import register, unregister
+
+
+class Flaky(Handler):
+    """Fails every message whose key starts with ``fail``; the worker process runs it too."""
+
+    queue = os.environ.get("DELAYQ_TEST_QUEUE", "unset")
+    retry = RetryPolicy.fixed(dt.timedelta(0), max_attempts=2)
+
+    def handle(self, delivery: Delivery, conn: Any = None) -> None:
+        if delivery.key.startswith("fail"):
+            raise RuntimeError("no luck")
+
+
+handlers = [Flaky]
+
+
+def samples(text: str, queue: str) -> dict[str, float]:
+    """name{outcome} -> value, for one queue's samples."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("queue") == queue:
+                outcome = s.labels.get("outcome")
+                le = s.labels.get("le")
+                if le is None:
+                    found[s.name + (f"{{{outcome}}}" if outcome else "")] = s.value
+    return found
+
+
+def test_metrics_count_into_an_applications_own_registry(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    registry = CollectorRegistry()
+    handler = type("H", (Flaky,), {"queue": queue_name})()
+    worker = Worker(engine, [handler], clock=clock)
+    metrics = register(registry, worker.queues)
+    try:
+        q = worker.queues[0]
+        q.offer_many([("ok-1", 1, None), ("ok-2", 2, None), ("fail-1", 3, None)])
+        q.offer("later", 4, at=dt.timedelta(hours=1))
+        worker.run_once()  # two acked, one retried at once ...
+        worker.run_once()  # ... and dead-lettered on its second attempt
+        from prometheus_client import generate_latest
+
+        got = samples(generate_latest(registry).decode(), queue_name)
+    finally:
+        unregister(metrics, registry)
+    assert got["delayq_offered_total"] == 4
+    assert got["delayq_delivered_total"] == 4
+    assert got["delayq_acked_total"] == 2
+    assert got["delayq_retried_total"] == 1
+    assert got["delayq_dead_lettered_total"] == 1
+    assert got.get("delayq_lock_lost_total", 0) == 0
+    assert got["delayq_handler_duration_seconds_count{success}"] == 2
+    assert got["delayq_handler_duration_seconds_count{failure}"] == 2
+    assert got["delayq_pickup_latency_seconds_count"] == 4
+    assert (got["delayq_scheduled"], got["delayq_ready"], got["delayq_dead"], got["delayq_in_flight"]) == (1, 0, 1, 0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def worker_process(backend: Backend, queue_name: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "DELAYQ_URL": backend.url,
+        "DELAYQ_TEST_QUEUE": queue_name,
+        "PYTHONPATH": str(REPO_ROOT / "tests"),
+    }
+    args = ["worker", "test_metrics:handlers", "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "delayq.cli", *args],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield p, f"http://127.0.0.1:{port}/metrics"
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+def scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return str(r.read().decode())
+    except OSError:
+        return ""
+
+
+def test_a_worker_process_serves_metrics_that_move_as_messages_flow(
+    backend: Backend, queue_name: str, worker_process: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    process, url = worker_process
+    wait_until(lambda: "delayq_ready" in scrape(url) or process.poll() is not None, "the metrics endpoint")
+    assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+    before = samples(scrape(url), queue_name)
+    assert before.get("delayq_acked_total", 0) == 0 and before["delayq_ready"] == 0
+
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"ok-{i}", i, None) for i in range(5)])
+    q.offer("fail-1", 0)
+    wait_until(lambda: q.stats().dead == 1 and q.stats().ready + q.stats().in_flight == 0, "the worker to drain")
+    wait_until(lambda: samples(scrape(url), queue_name).get("delayq_acked_total") == 5, "the acks to be counted")
+    after = samples(scrape(url), queue_name)
+    assert after["delayq_delivered_total"] == 7  # five, and the failing one twice
+    assert after["delayq_retried_total"] == 1 and after["delayq_dead_lettered_total"] == 1
+    assert after["delayq_dead"] == 1 and after["delayq_ready"] == 0
+    assert after["delayq_handler_duration_seconds_count{failure}"] == 2
