@@ -195,7 +195,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the async API (delayq.aio) ---------------------------------------------------------------
-AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions"}
+AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions", "test_held", "test_errors"}
 """Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
 AIO_SYNC_ONLY = {
     # Each builds sync engines of its own (connect_args, statement listeners) for the queue;
@@ -293,6 +293,12 @@ class SyncFacade:
     def __repr__(self) -> str:
         return f"SyncFacade({self._target!r})"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SyncFacade) and self._target == other._target
+
+    def __hash__(self) -> int:
+        return hash(self._target)
+
     def __getattr__(self, name: str) -> Any:
         import inspect
 
@@ -315,8 +321,8 @@ class SyncFacade:
 
         if isinstance(value, SyncFacade):
             return value._target
-        if isinstance(value, list | tuple):
-            return type(value)(self._inward(v) for v in value)
+        if isinstance(value, list | tuple) and any(isinstance(v, SyncFacade) for v in value):  # deliveries
+            return type(value)(self._inward(v) for v in value)  # (payloads are never walked)
         if isinstance(value, sa.Engine):
             return self._runner.engine
         if isinstance(value, sa.Connection):

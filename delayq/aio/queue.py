@@ -228,6 +228,12 @@ class AsyncDelivery:
     def __repr__(self) -> str:
         return f"AsyncDelivery({self.delivery!r})"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AsyncDelivery) and self.delivery == other.delivery
+
+    def __hash__(self) -> int:
+        return hash((self.delivery.id, self.delivery.lock_token))
+
     @property
     def id(self) -> int:
         return self.delivery.id
