@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 
 S = TypeVar("S")
 
-Mode = Literal["read", "statement", "scan", "transaction"]
+Mode = Literal["read", "statement", "scan", "transaction", "ordered"]
 """What one of delayq's own operations does, so that its transaction starts right: only reads; one write
 statement by primary or unique key; one write statement that may scan rows it leaves alone (an ack by a
-list of ids, a delete by key prefix); or several statements."""
+list of ids, a delete by key prefix); several statements; or one statement that must walk an index in
+its order whatever the table's statistics say (a batch claim: PostgreSQL runs it with sorting off)."""
 
 
 class ClaimedRow(NamedTuple):
@@ -355,6 +356,10 @@ class Dialect:
     # -- transactions ---------------------------------------------------------------------------
     #: Whether the claim is one statement (then it needs no explicit transaction).
     claim_mode: ClassVar[Mode] = "transaction"
+
+    def claim_mode_for(self, limit: int) -> Mode:
+        """The mode of a claim of up to ``limit`` messages (``claim_mode`` unless the plan needs more)."""
+        return self.claim_mode
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.

@@ -1,0 +1,94 @@
+"""The claim walks the due index whatever the table's statistics say.
+
+A queue table is where statistics go stale fastest (and many servers run without autovacuum): a
+planner that believes the table nearly empty takes a sort of every due row for free. On a table of
+20,000 due messages, analyzed while empty or after the fill, the statements a batch claim sends are
+replayed under ``EXPLAIN`` exactly as delayq sent them (its session settings included): the due index
+`(queue, scheduled_at, id)`, and no sort.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend, make_engine
+
+from delayq import DelayedQueue, ManualClock, migrations
+
+PREFIX = "plan_"
+DUE_INDEX = f"{PREFIX}messages_due_ix"
+ROWS = 20_000
+
+
+def analyze(conn: sa.Connection, backend: str) -> None:
+    table = f"{PREFIX}messages"
+    conn.exec_driver_sql({"mysql": f"ANALYZE TABLE {table}"}.get(backend, f"ANALYZE {table}"))
+
+
+@pytest.fixture
+def stale_table(backend: Backend) -> Iterator[sa.Engine]:
+    """delayq's tables under their own prefix, emptied, analyzed, autovacuum off (PostgreSQL)."""
+    migrations.upgrade(backend.url, prefix=PREFIX)
+    engine = make_engine(backend.url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {PREFIX}messages")
+        if backend.name == "postgresql":
+            conn.exec_driver_sql(f"ALTER TABLE {PREFIX}messages SET (autovacuum_enabled = false)")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        analyze(conn, backend.name)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def claim_statements(engine: sa.Engine, queue: DelayedQueue) -> list[tuple[str, Any]]:
+    """What ``try_poll_many(100)`` sends, in order, as (SQL, parameters) for the driver."""
+    sent: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        sent.append((statement, parameters))
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        assert len(queue.try_poll_many(100)) == 100
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    return sent
+
+
+def explain(engine: sa.Engine, backend: str, sent: list[tuple[str, Any]]) -> str:
+    """The plan of the statement that picks due rows, with what delayq sent before it in its transaction."""
+    picks = [i for i, (sql, _) in enumerate(sent) if "ORDER BY" in sql and "scheduled_at" in sql]
+    assert picks, f"no pick among {[sql for sql, _ in sent]}"
+    pick = picks[0]
+    prefix = {"sqlite": "EXPLAIN QUERY PLAN ", "mysql": "EXPLAIN FORMAT=JSON "}.get(backend, "EXPLAIN ")
+    with engine.connect() as conn:
+        for sql, params in sent[:pick]:
+            if sql.upper().startswith("SET"):
+                conn.exec_driver_sql(sql, params or ())
+        sql, params = sent[pick]
+        rows = conn.exec_driver_sql(prefix + sql, params).all()
+        conn.rollback()
+    return "\n".join(" | ".join(str(c) for c in row) for row in rows)
+
+
+@pytest.mark.parametrize("analyzed", ["while empty", "after the fill"])
+def test_a_batch_claim_walks_the_due_index_whatever_the_statistics(
+    stale_table: sa.Engine, backend: Backend, analyzed: str
+) -> None:
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    q = DelayedQueue(stale_table, "plan", clock=clock, table_prefix=PREFIX)
+    for start in range(0, ROWS, 2000):
+        q.offer_many([(f"k{i}", i, dt.timedelta(seconds=-i)) for i in range(start, start + 2000)])
+    if analyzed == "after the fill":
+        with stale_table.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            analyze(conn, backend.name)
+    plan = explain(stale_table, backend.name, claim_statements(stale_table, q))
+    print(plan)
+    assert DUE_INDEX in plan, plan
+    assert "Sort" not in plan and "TEMP B-TREE" not in plan and "filesort" not in plan.lower(), plan
