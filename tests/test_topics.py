@@ -545,3 +545,96 @@ def test_concurrent_rebalances_converge_to_disjoint_fair_shares(
     held = _settle(subs)
     assert all(len(h) == 3 for h in held.values()), held
     assert set().union(*held.values()) == set(range(12))
+
+
+def test_a_requeued_dead_letter_is_delivered_again_to_its_group_only(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    topic = make_topic(2)
+    topic.publish_many([("k", "1", "one"), ("k", "2", "two")])
+    billing, search = make_sub("b", group="billing", max_attempts=1), make_sub("s", group="search")
+    billing.rebalance()
+    search.rebalance()
+    first, second = billing.poll(10)
+    assert first.nack(error="boom") and second.ack()  # its last attempt: dead-lettered
+    assert all(d.ack() for d in search.poll(10))
+    assert search.advance_watermarks() == billing.advance_watermarks()  # both passed 1 and 2
+    [dead] = topic.dead_letters()
+    assert (dead.group, dead.message_id, dead.payload, dead.last_error) == ("billing", "1", "one", "boom")
+    assert topic.dead_letters(group="search") == []
+
+    assert topic.requeue_dead(group="search", everything=True) == 0
+    assert topic.requeue_dead(group="billing", message_id="1") == 1
+    assert topic.dead_letters() == []
+    assert topic.requeue_dead(everything=True) == 0  # nothing left: a retried requeue adds nothing
+    [again] = billing.poll(10)
+    assert (again.message_id, again.payload, again.attempts, again.offset) == (f"1~requeue-{dead.offset}", "one", 1, 3)
+    assert again.ack()
+    assert search.poll(10) == []  # marked done for the other group: it is not delivered there
+    part = partition_for("k", 2)
+    assert billing.advance_watermarks()[part] == 3
+    assert search.advance_watermarks()[part] == 3
+    lag = {p.partition: p for p in group_lag(engine, topic.name, "search")}
+    assert (lag[part].lag, lag[part].pending) == (0, 0)
+
+
+def test_requeue_and_purge_select_by_group_key_and_id(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
+) -> None:
+    topic = make_topic(3)
+    a, b = keys_for(3, 2)
+    topic.publish_many([(a, "x", 1), (a, "y", 2), (b, "x", 3)])
+    one, two = make_sub("1", group="one", max_attempts=1), make_sub("2", group="two", max_attempts=1)
+    for sub in (one, two):
+        sub.rebalance()
+        assert all(d.fail("no") for d in sub.poll(10))
+    assert len(topic.dead_letters()) == 6
+    assert len(topic.dead_letters(limit=2)) == 2
+    assert {(d.group, d.partition_key) for d in topic.dead_letters(message_id="x")} == {
+        (g, k) for g in ("one", "two") for k in (a, b)
+    }
+    assert [d.message_id for d in topic.dead_letters(group="one", key=a)] == ["x", "y"]
+    with pytest.raises(InvalidInputError, match="everything=True"):
+        topic.purge_dead(group="one")
+    with pytest.raises(InvalidInputError, match="everything=True"):
+        topic.requeue_dead(key=a, everything=True)
+    assert topic.purge_dead(group="two", key=a, message_id="y") == 1
+    assert topic.requeue_dead(message_id="x", key=b) == 2  # both groups' dead letters of (b, x)
+    got = {sub.group: sorted((d.partition_key, d.payload) for d in sub.poll(10)) for sub in (one, two)}
+    assert got == {"one": [(b, 3)], "two": [(b, 3)]}  # one message each: the other group's copy is done
+    assert topic.purge_dead(everything=True) == 3
+    assert topic.dead_letters() == []
+
+
+def test_a_bad_subscriber_name_is_refused(engine: sa.Engine, topic_name: str) -> None:
+    for name in ("", "x" * 201, "a\x00b", 7):
+        with pytest.raises(InvalidInputError, match="subscriber name"):
+            Subscription(engine, topic_name, "g", name)  # type: ignore[arg-type]
+
+
+def test_a_publish_in_an_orm_session_commits_and_rolls_back_with_the_business_row(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    from sqlalchemy.orm import Session
+
+    topic = make_topic(1)
+    orders = sa.Table(f"orders_{uuid.uuid4().hex[:8]}", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+    orders.create(engine)
+    try:
+        with Session(engine) as session:
+            session.execute(sa.insert(orders).values(id=1))
+            assert topic.publish("order-1", "placed", {"id": 1}, using=session) is OfferOutcome.CREATED
+            session.commit()
+        with Session(engine) as session:
+            session.execute(sa.insert(orders).values(id=2))
+            assert topic.publish("order-2", "placed", {"id": 2}, using=session) is OfferOutcome.CREATED
+            session.rollback()
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(orders.c.id)).scalars().all() == [1]
+        assert [p.head for p in topic.heads()] == [1]  # the rolled back offset is given out again: no gap
+        assert topic.publish("order-3", "placed", {"id": 3}) is OfferOutcome.CREATED
+        sub = make_sub()
+        sub.rebalance()
+        assert [(d.offset, d.payload) for d in sub.poll(10)] == [(1, {"id": 1}), (2, {"id": 3})]
+    finally:
+        orders.drop(engine)

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
 from delayq.messages import OfferOutcome
 from delayq.topics import PartitionInfo, Subscription, Topic, TopicDelivery
+from delayq.topics.dead_letters import TopicDeadLetter
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
 
 __all__ = ["AsyncSubscription", "AsyncTopic"]
@@ -76,6 +77,53 @@ class AsyncTopic:
     async def collect_garbage(self, *, using: AsyncUsing = None) -> int:
         """Delete log rows every consumer group has passed; how many."""
         return await self.bridge.run(using, lambda u: self.sync.collect_garbage(using=u))
+
+    async def dead_letters(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        limit: int = 100,
+        using: AsyncUsing = None,
+    ) -> list[TopicDeadLetter]:
+        """The topic's dead letters, by partition and offset; see ``Topic.dead_letters``."""
+        return await self.bridge.run(
+            using,
+            lambda u: self.sync.dead_letters(group=group, key=key, message_id=message_id, limit=limit, using=u),
+        )
+
+    async def requeue_dead(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        everything: bool = False,
+        using: AsyncUsing = None,
+    ) -> int:
+        """Publish dead letters again, each for its own group only, and delete them; see ``Topic.requeue_dead``."""
+        return await self.bridge.run(
+            using,
+            lambda u: self.sync.requeue_dead(
+                group=group, key=key, message_id=message_id, everything=everything, using=u
+            ),
+        )
+
+    async def purge_dead(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        everything: bool = False,
+        using: AsyncUsing = None,
+    ) -> int:
+        """Delete dead letters; how many. See ``Topic.purge_dead``."""
+        return await self.bridge.run(
+            using,
+            lambda u: self.sync.purge_dead(group=group, key=key, message_id=message_id, everything=everything, using=u),
+        )
 
 
 class AsyncSubscription:

@@ -1,27 +1,38 @@
-"""``delayq topics``: the topics and how far each consumer group has read them."""
+"""``delayq topics``: the topics, how far each consumer group has read them, and their dead letters."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Callable
 
 import click
 import sqlalchemy as sa
 
+from delayq.browse import database_now
 from delayq.cli import Fail, connect, emit, friendly, relative
+from delayq.humanize import human
 from delayq.schema import make_tables
+from delayq.topics.topic import Topic
 from delayq.topics.views import group_lag, list_topics
 
 
 @click.group()
 def topics() -> None:
-    """Look at topics and consumer groups."""
+    """Look at topics and consumer groups; act on dead letters."""
 
 
 def _checked(ctx: click.Context, conn: sa.Connection) -> None:
     name = make_tables(ctx.obj["prefix"]).topics.topics.name
     if not sa.inspect(conn).has_table(name):
         raise Fail(f"the topic tables ({name}, ...) are not in this database: run `delayq migrate` with the same --url")
+
+
+def _existing(ctx: click.Context, engine: sa.Engine, conn: sa.Connection, topic: str) -> None:
+    _checked(ctx, conn)
+    known = {t.topic for t in list_topics(engine, table_prefix=ctx.obj["prefix"])}
+    if topic not in known:
+        raise Fail(f"no topic named {topic!r} (topics: {', '.join(sorted(known)) or 'none yet'})")
 
 
 @topics.command(name="ls")
@@ -43,16 +54,14 @@ def topics_ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @friendly
 def topics_lag(ctx: click.Context, topic: str, group: str, as_json: bool) -> None:
-    """Per partition of TOPIC as GROUP reads it: head, watermark, lag, deliveries in flight, and the lease."""
+    """Per partition of TOPIC as GROUP reads it: head, watermark, lag, deliveries in flight, and the lease
+    (its holder, epoch, age and expiry, on the database's clock; in JSON the age in milliseconds)."""
     with connect(ctx) as (engine, conn):
-        _checked(ctx, conn)
-        known = {t.topic for t in list_topics(engine, table_prefix=ctx.obj["prefix"])}
-        if topic not in known:
-            raise Fail(f"no topic named {topic!r} (topics: {', '.join(sorted(known)) or 'none yet'})")
+        _existing(ctx, engine, conn, topic)
         lag = group_lag(engine, topic, group, table_prefix=ctx.obj["prefix"])
+        now = database_now(conn)
     if not lag:
         raise Fail(f"group {group!r} has not joined topic {topic!r}")
-    now = dt.datetime.now(dt.UTC)
     rows = [
         {
             "partition": p.partition,
@@ -62,8 +71,111 @@ def topics_lag(ctx: click.Context, topic: str, group: str, as_json: bool) -> Non
             "in_flight": p.pending,
             "leased_by": p.holder,
             "epoch": p.epoch,
-            "lease_expires": p.lease_expires_at if as_json else relative(p.lease_expires_at, now),
         }
+        | (
+            {
+                "lease_age_ms": None if p.lease_age is None else p.lease_age // dt.timedelta(milliseconds=1),
+                "lease_expires": p.lease_expires_at,
+            }
+            if as_json
+            else {
+                "lease_age": None if p.lease_age is None else human(p.lease_age),
+                "lease_expires": relative(p.lease_expires_at, now),
+            }
+        )
         for p in lag
     ]
-    emit(rows, as_json, ["partition", "head", "watermark", "lag", "in_flight", "leased_by", "epoch", "lease_expires"])
+    columns = ["partition", "head", "watermark", "lag", "in_flight", "leased_by", "epoch", "lease_age", "lease_expires"]
+    emit(rows, as_json, columns)
+
+
+# -- dead letters ----------------------------------------------------------------------------------------
+@topics.group(name="dead")
+def topics_dead() -> None:
+    """List, requeue or purge a topic's dead letters (the topic TOPIC_dlq), per consumer group."""
+
+
+def _topic(engine: sa.Engine, ctx: click.Context, name: str) -> Topic:
+    return Topic(engine, name, table_prefix=ctx.obj["prefix"])
+
+
+@topics_dead.command(name="ls")
+@click.argument("topic")
+@click.option("--group", help="Only this consumer group's dead letters.")
+@click.option("--key", help="Only this partition key's.")
+@click.option("--id", "message_id", help="Only the message published under this id.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def dead_ls(
+    ctx: click.Context,
+    topic: str,
+    group: str | None,
+    key: str | None,
+    message_id: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """TOPIC's dead letters, by partition and offset: the group that gave up, the message, why and when."""
+    with connect(ctx) as (engine, conn):
+        _existing(ctx, engine, conn, topic)
+        now = database_now(conn)
+        conn.rollback()
+        found = _topic(engine, ctx, topic).dead_letters(group=group, key=key, message_id=message_id, limit=limit)
+    if as_json:
+        emit([d.as_dict() for d in found], True, [])
+        return
+    rows = [d.as_dict() | {"failed": relative(d.failed_at, now), "failures": d.failure_count} for d in found]
+    columns = ["group", "partition", "offset", "partition_key", "message_id", "failed", "failures", "last_error"]
+    emit(rows, False, [*columns, "payload"])
+
+
+def _dead_command(verb: str) -> Callable[..., None]:
+    @click.argument("topic")
+    @click.option("--group", help="Only this consumer group's dead letters.")
+    @click.option("--id", "message_id", help="The message published under this id.")
+    @click.option("--key", help="The messages of this partition key.")
+    @click.option("--all", "everything", is_flag=True, help="All of them (of --group, if given).")
+    @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+    @click.pass_context
+    @friendly
+    def command(
+        ctx: click.Context,
+        topic: str,
+        group: str | None,
+        message_id: str | None,
+        key: str | None,
+        everything: bool,
+        yes: bool,
+    ) -> None:
+        if everything == (message_id is not None or key is not None):
+            raise Fail("give --id ID and/or --key KEY, or --all (--group G narrows any of them)")
+        with connect(ctx) as (engine, conn):
+            _existing(ctx, engine, conn, topic)
+            conn.rollback()  # hold nothing while the topic works on its own connections
+            t = _topic(engine, ctx, topic)
+            found = t.dead_letters(group=group, key=key, message_id=message_id, limit=10_000_000)
+            whose = "" if group is None else f" of group {group!r}"
+            if not found:
+                raise Fail(f"no dead letters{whose} match in topic {topic!r}")
+            if not yes:
+                click.confirm(f"{verb} {len(found)} dead letter(s){whose} of topic {topic!r}?", abort=True)
+            act = t.requeue_dead if verb == "requeue" else t.purge_dead
+            done = act(group=group, key=key, message_id=message_id, everything=everything)
+        note = ""
+        if done < len(found):
+            note = f"; {len(found) - done} not {verb}d (gone meanwhile, or their group no longer reads {topic!r})"
+        click.echo(f"{topic}: {done} dead letter(s) {verb}d{note}")
+
+    command.__doc__ = f"{verb.capitalize()} TOPIC's dead letters (asks first unless --yes)." + (
+        " Each is published again on TOPIC, under the id ID~requeue-N, for the group that gave up on it"
+        " only, and leaves the dead letters in the same transaction."
+        if verb == "requeue"
+        else ""
+    )
+    return command
+
+
+topics_dead.command(name="requeue")(_dead_command("requeue"))
+topics_dead.command(name="purge")(_dead_command("purge"))

@@ -217,6 +217,26 @@ class TopicStatements:
         self.collect = sa.delete(log).where(log_part, log.c.message_offset <= _bp("upto"))
         self.set_collected = sa.update(heads).where(head_key).values(collected=_bp("upto"))
 
+        # -- dead letters (an operator's requeue and purge) ----------------------------------------------
+        parts: Any = sa.bindparam("parts", expanding=True)
+        # The groups reading partitions of a topic (by the (topic, partition) index of topic_offsets).
+        self.readers = sa.select(off.c.consumer_group, off.c.partition).where(
+            off.c.topic == topic, off.c.partition.in_(parts)
+        )
+        # Their leases, locked as a poll's fence locks one: the polls of these partitions wait for the
+        # removal of dead letters, and see it whole.
+        self.lock_readers = (
+            sa.select(le.c.partition)
+            .where(
+                le.c.consumer_group.in_(sa.bindparam("groups", expanding=True)),
+                le.c.topic == topic,
+                le.c.partition.in_(parts),
+            )
+            .order_by(le.c.consumer_group, le.c.partition)
+            .with_for_update()
+        )
+        self.remove = sa.delete(log).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
+
 
 _cache: weakref.WeakKeyDictionary[Dialect, dict[tuple[str, str | None, bool], TopicStatements]] = (
     weakref.WeakKeyDictionary()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -26,6 +26,9 @@ from delayq.topics.names import (
 )
 from delayq.topics.statements import TopicStatements
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
+
+if TYPE_CHECKING:
+    from delayq.topics.dead_letters import Selection, TopicDeadLetter
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,97 @@ class Topic:
             deleted += self.ctx.runner.run(using, functools.partial(self._collect, partition=partition), "transaction")
         return deleted
 
+    # -- dead letters ---------------------------------------------------------------------------
+    # (delayq.topics.dead_letters builds on ``append`` below: imported where used.)
+    def dead_letters(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        limit: int = 100,
+        using: Using = None,
+    ) -> list[TopicDeadLetter]:
+        """The topic's dead letters (the messages of ``{name}_dlq``), by partition and offset, at most
+        ``limit``: of one consumer group or all, with this partition key and/or original message id."""
+        from delayq.topics.dead_letters import Selection, list_dead
+
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
+        sel = Selection.of(group, key, message_id, None, "dead_letters")
+        n = self.partitions(using=using)
+        return self.ctx.runner.run(
+            using,
+            lambda conn, d: list_dead(conn, self.ctx.tables.topics, self.name, n, sel, limit, self.serializer),
+            "read",
+        )
+
+    def requeue_dead(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        everything: bool = False,
+        using: Using = None,
+    ) -> int:
+        """Publish dead letters again on this topic, each for the group that gave up on it only, and delete
+        them from ``{name}_dlq``; how many.
+
+        Select them by ``message_id`` (the id they were published under) and/or partition ``key``, or
+        ``everything=True``; ``group=`` narrows to one consumer group's. Each is published under the
+        id ``{id}~requeue-{its offset in the dead-letter topic}`` (new: the original may still be in
+        the log, where the same id would be ``IGNORED``), at the partition's head (after messages
+        published since), and the topic's other groups get it marked acked so their watermarks pass
+        it. Its publication and the deletion of the dead letter commit together, 500 dead letters
+        per transaction. A dead letter of a group that no longer reads the topic stays where it is.
+        """
+        from delayq.topics.dead_letters import Selection, requeue
+
+        sel = Selection.of(group, key, message_id, everything, "requeue_dead")
+        n = self.partitions(using=using)
+        return self._each_chunk(
+            sel, using, lambda conn, stmts, chunk: requeue(conn, stmts, self.ctx.now_param(), self.name, n, chunk)
+        )
+
+    def purge_dead(
+        self,
+        *,
+        group: str | None = None,
+        key: str | None = None,
+        message_id: str | None = None,
+        everything: bool = False,
+        using: Using = None,
+    ) -> int:
+        """Delete dead letters from ``{name}_dlq`` (selected as for ``requeue_dead``); how many."""
+        from delayq.topics.dead_letters import Selection, purge
+
+        sel = Selection.of(group, key, message_id, everything, "purge_dead")
+        return self._each_chunk(
+            sel, using, lambda conn, stmts, chunk: purge(conn, stmts, self.ctx.now_param(), self.name, chunk)
+        )
+
+    def _each_chunk(
+        self,
+        sel: Selection,
+        using: Using,
+        act: Callable[[Connection, TopicStatements, list[tuple[int, int]]], int],
+    ) -> int:
+        from delayq.topics.dead_letters import CHUNK, dead_offsets
+
+        n = self.partitions(using=using)
+        found = self.ctx.runner.run(
+            using, lambda conn, d: dead_offsets(conn, self.ctx.tables.topics, self.name, n, sel), "read"
+        )
+
+        def chunk(conn: Connection, dialect: Dialect, letters: list[tuple[int, int]]) -> int:
+            return act(conn, self.ctx.stmts(dialect), letters)
+
+        return sum(
+            self.ctx.runner.run(using, functools.partial(chunk, letters=found[i : i + CHUNK]), "transaction")
+            for i in range(0, len(found), CHUNK)
+        )
+
     def _collect(self, conn: Connection, dialect: Dialect, partition: int) -> int:
         # The head row's lock orders this with a group being created (which reads where to start under it).
         stmts = self.ctx.stmts(dialect)
@@ -191,8 +285,22 @@ def append(
     payload_type: str,
     extra: Sequence[dict[str, Any]] | None = None,
 ) -> list[bool]:
+    """``append_offsets``, telling per item only whether it was created."""
+    return [o is not None for o in append_offsets(conn, stmts, now_param, topic, items, payload_type, extra)]
+
+
+def append_offsets(
+    conn: Connection,
+    stmts: TopicStatements,
+    now_param: dict[str, int],
+    topic: str,
+    items: Sequence[tuple[int, str, str, bytes]],
+    payload_type: str,
+    extra: Sequence[dict[str, Any]] | None = None,
+) -> list[int | None]:
     """Append ``(partition, partition_key, message_id, payload)`` items, skipping ids in the log; per item,
-    whether it was created. Four statements, whatever the number of partitions touched.
+    its new offset, or None when its id was there already. Four statements, whatever the number of
+    partitions touched.
 
     The partitions' head rows are locked first, in ascending order: publishers of a partition take
     their offsets one transaction after another, so offsets follow commit order with no gaps. Ids
@@ -214,11 +322,11 @@ def append(
     existing = {
         (r.partition_key, r.message_id) for r in conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": pairs})
     }
-    created: list[bool] = []
+    created: list[int | None] = []
     rows: list[dict[str, Any]] = []
     for i, (partition, k, mid, payload) in enumerate(items):
         if (k, mid) in existing:
-            created.append(False)
+            created.append(None)
             continue
         existing.add((k, mid))
         heads[partition] += 1
@@ -235,7 +343,7 @@ def append(
                 **(extra[i] if extra is not None else {}),
             }
         )
-        created.append(True)
+        created.append(heads[partition])
     if rows:
         conn.execute(stmts.insert_log, rows)
         moved = sorted({r["partition"] for r in rows})

@@ -8,14 +8,17 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from delayq.clock import from_ms
+from delayq.clock import Clock, from_ms, to_ms
+from delayq.dialects import dialect_for
 from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.topics.names import DLQ_SUFFIX
 from delayq.topics.statements import PENDING
 
 
 @dataclass(frozen=True)
 class TopicSummary:
-    """A topic: its partitions, the sum of their head offsets and how many messages the log still holds."""
+    """A topic: its partitions, the sum of their head offsets and how many messages the log still holds
+    (for a dead-letter topic, whose letters an operator may requeue or purge, a count of its rows)."""
 
     topic: str
     partitions: int
@@ -35,10 +38,13 @@ class PartitionLag:
     holder: str | None
     epoch: int
     lease_expires_at: dt.datetime | None
+    lease_acquired_at: dt.datetime | None = None
+    lease_age: dt.timedelta | None = None
+    """How long the holder has held the lease (since it took it), on the database's clock; None when free."""
 
 
 def list_topics(engine: Engine, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> list[TopicSummary]:
-    """Every topic, by name (two reads)."""
+    """Every topic, by name (two reads; a third counts the rows of dead-letter topics)."""
     t = make_tables(table_prefix, schema).topics
     heads = (
         sa.select(
@@ -55,19 +61,41 @@ def list_topics(engine: Engine, *, table_prefix: str = DEFAULT_PREFIX, schema: s
         .order_by(t.topics.c.topic)
     )
     with engine.connect() as conn:
-        return [
+        found = [
             TopicSummary(r.topic, int(r.partitions), int(r.published or 0), int(r.retained or 0))
             for r in conn.execute(query)
         ]
+        # Requeue and purge delete a dead-letter topic's rows below its head: count what is left.
+        names = {s.topic for s in found}
+        dead = [s.topic for s in found if s.topic.endswith(DLQ_SUFFIX) and s.topic[: -len(DLQ_SUFFIX)] in names]
+        if dead:
+            log = t.log
+            rows = conn.execute(
+                sa.select(log.c.topic, sa.func.count().label("n")).where(log.c.topic.in_(dead)).group_by(log.c.topic)
+            )
+            counts = {r.topic: int(r.n) for r in rows}
+            found = [
+                TopicSummary(s.topic, s.partitions, s.published, counts.get(s.topic, 0)) if s.topic in dead else s
+                for s in found
+            ]
+        return found
 
 
 def group_lag(
-    engine: Engine, topic: str, group: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
+    engine: Engine,
+    topic: str,
+    group: str,
+    *,
+    table_prefix: str = DEFAULT_PREFIX,
+    schema: str | None = None,
+    clock: Clock | None = None,
 ) -> list[PartitionLag]:
     """Per partition of ``topic`` for ``group``: head, watermark, lag, deliveries not done, and the lease.
 
     ``lag`` is head minus watermark (messages not yet passed by the watermark, including those
-    acked out of order); ``pending`` counts delivered messages not acked or dead-lettered.
+    acked out of order); ``pending`` counts delivered messages not acked or dead-lettered;
+    ``lease_age`` is now minus when the holder took the lease, now on the database's clock (or
+    ``clock``, as the subscribers' own).
     """
     t = make_tables(table_prefix, schema).topics
     off, heads, le, dl = t.offsets, t.heads, t.leases, t.deliveries
@@ -85,6 +113,7 @@ def group_lag(
             pending.c.n,
             le.c.holder,
             le.c.epoch,
+            le.c.acquired_at,
             le.c.expires_at,
         )
         .select_from(
@@ -103,16 +132,23 @@ def group_lag(
         .order_by(off.c.partition)
     )
     with engine.connect() as conn:
-        return [
-            PartitionLag(
-                int(r.partition),
-                int(r.head),
-                int(r.acked_offset),
-                int(r.head) - int(r.acked_offset),
-                int(r.n or 0),
-                r.holder,
-                int(r.epoch or 0),
-                from_ms(int(r.expires_at)) if r.holder is not None else None,
-            )
-            for r in conn.execute(query)
-        ]
+        rows = conn.execute(query).all()
+        if clock is not None:
+            now = to_ms(clock.now())
+        else:
+            now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
+    return [
+        PartitionLag(
+            int(r.partition),
+            int(r.head),
+            int(r.acked_offset),
+            int(r.head) - int(r.acked_offset),
+            int(r.n or 0),
+            r.holder,
+            int(r.epoch or 0),
+            from_ms(int(r.expires_at)) if r.holder is not None else None,
+            from_ms(int(r.acquired_at)) if r.holder is not None else None,
+            dt.timedelta(milliseconds=max(0, now - int(r.acquired_at))) if r.holder is not None else None,
+        )
+        for r in rows
+    ]
