@@ -78,10 +78,23 @@ def show_payload(payload_type: str, data: bytes) -> Any:
 
 
 def queue_names(conn: sa.Connection, tables: Tables) -> list[str]:
-    """Every queue with live messages or dead letters."""
-    m, dead = tables.messages, tables.dead_letters
-    names = sa.union(sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct())
+    """Every queue the database knows of: with live messages, dead letters or an installed cron schedule.
+
+    Queues are not registered anywhere: a queue whose messages were all acked, with no dead letters
+    and no schedule, leaves no trace, and reads as a queue never used (name it to see its zeros).
+    """
+    m, dead, schedules = tables.messages, tables.dead_letters, tables.schedules
+    names = sa.union(
+        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
+    )
     return sorted(conn.execute(names).scalars())
+
+
+def keys_under(conn: sa.Connection, tables: Tables, queue: str, key_prefix: str) -> list[str]:
+    """The keys of a queue's live messages that start with ``key_prefix`` (byte for byte), in key order."""
+    m = tables.messages
+    stmt = sa.select(m.c.key).where(m.c.queue == queue, dialect_for(conn.engine).starts_with(m.c.key)).order_by(m.c.key)
+    return list(conn.execute(stmt, prefix_bounds(key_prefix)).scalars())
 
 
 def list_messages(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import click
 import sqlalchemy as sa
 
 from delayq import migrations
-from delayq.browse import State, StoredMessage, database_now, list_messages, queue_names
+from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
 from delayq.dialects import dialect_class
 from delayq.errors import DelayqError
 from delayq.handler import Handler
@@ -81,6 +82,12 @@ DRIVER_HINTS = {
     "pymysql": "pip install pymysql, or write mysql+mysqldb://... and pip install 'delayq[mysql]'",
     "psycopg2": "pip install psycopg2-binary, or write postgresql+psycopg://... and pip install 'delayq[postgres]'",
 }
+OTHER_DRIVERS = {
+    # URL driver name -> (its module, the driver delayq is built and tested on, as a URL and an extra)
+    "psycopg2": ("psycopg2", "postgresql+psycopg://... (pip install 'delayq[postgres]')"),
+    "pymysql": ("pymysql", "mysql+mysqldb://... (pip install 'delayq[mysql]')"),
+}
+"""Synchronous drivers SQLAlchemy knows that delayq is not tested on: a note when installed, a hint when not."""
 ASYNC_DRIVERS = {
     "asyncpg": "postgresql+psycopg://",
     "psycopg_async": "postgresql+psycopg://",
@@ -96,13 +103,33 @@ def check_url(url: str) -> sa.engine.URL | None:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         return None  # the command reports a bad URL
-    sync = ASYNC_DRIVERS.get(parsed.get_driver_name())
+    driver = parsed.get_driver_name()
+    sync = ASYNC_DRIVERS.get(driver)
     if sync is not None:
         raise Fail(
             f"{parsed.drivername} is an asyncio driver, for the delayq.aio API: the command line needs a "
             f"synchronous one, e.g. {sync}... with the same host and database"
         )
+    if driver in OTHER_DRIVERS:
+        module, tested = OTHER_DRIVERS[driver]
+        if not _importable(module):
+            raise Fail(f"the database driver is not installed ({module}): {DRIVER_HINTS[module]}")
+        current = click.get_current_context(silent=True)
+        noted = current.meta.setdefault("delayq_noted_urls", set()) if current else set()
+        if url not in noted:  # once per command, not at every refresh of stats --watch
+            noted.add(url)
+            click.echo(
+                f"note: {parsed.drivername}:// uses {module}, which delayq is not tested on: it is on {tested}",
+                err=True,
+            )
     return parsed
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails, or a module in sys.modules without a spec
+        return module in sys.modules and sys.modules[module] is not None
 
 
 def check_sqlite_file(parsed: sa.engine.URL | None) -> None:
@@ -176,12 +203,24 @@ def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
         engine.dispose()
 
 
-def existing_queue(ctx: click.Context, conn: sa.Connection, name: str) -> str:
+def unknown_queue_note(ctx: click.Context, conn: sa.Connection, name: str) -> str:
+    """Empty for a queue the database knows of; else a note that it has nothing at all, and which queues do.
+
+    Queues are not registered: a drained queue (no messages, dead letters or cron schedule) reads as a
+    new one, so an operation on it is no error, and the note helps spot a typo.
+    """
     names = queue_names(conn, make_tables(ctx.obj["prefix"]))
-    if name not in names:
-        known = ", ".join(names) if names else "none yet"
-        raise Fail(f"no queue named {name!r} (queues with messages: {known})")
-    return name
+    if name in names:
+        return ""
+    known = ", ".join(names[:KNOWN_SHOWN]) + (", ..." if len(names) > KNOWN_SHOWN else "") if names else "none"
+    return f"queue {name!r} has no messages, dead letters or cron schedule; queues that have: {known}"
+
+
+def _noted(note: str) -> str:
+    return f" ({note})" if note else ""
+
+
+KNOWN_SHOWN = 10
 
 
 def admin_queue(engine: sa.Engine, ctx: click.Context, name: str) -> DelayedQueue:
@@ -239,6 +278,7 @@ def _cell(value: Any) -> str:
 def migrate(ctx: click.Context, revision: str, schema: str | None) -> None:
     """Create or upgrade delayq's tables (Alembic's upgrade on delayq's packaged migrations)."""
     url = ctx.obj["url"]
+    check_url(url)
     shown = shown_url(url)
     migrations.upgrade(url, revision, prefix=ctx.obj["prefix"], schema=schema)
     click.echo(f"delayq tables are at {revision} in {shown}")
@@ -409,7 +449,11 @@ def shown_url(url: str) -> str:
 @click.pass_context
 @friendly
 def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, interval: float, times: int) -> None:
-    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message."""
+    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message.
+
+    Without QUEUE: every queue with messages, dead letters or a cron schedule (a drained queue with none of
+    them is not known; name it to see its zeros).
+    """
     shown = 0
     while True:
         with connect(ctx) as (engine, conn):
@@ -454,9 +498,13 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
 @click.pass_context
 @friendly
 def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None, limit: int, as_json: bool) -> None:
-    """List a queue's messages (or dead letters) by due time, in the states `stats` counts."""
+    """List a queue's messages (or dead letters) by due time, in the states `stats` counts.
+
+    A queue with nothing in it lists nothing (exit 0); when the database knows nothing of it at all,
+    stderr says so, with the queues it does know.
+    """
+    check_queue_name(queue)
     with connect(ctx) as (_, conn):
-        existing_queue(ctx, conn, queue)
         now = database_now(conn)
         found = list_messages(
             conn,
@@ -467,6 +515,9 @@ def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None
             key_prefix=key_prefix,
             limit=limit,
         )
+        note = "" if found or as_json else unknown_queue_note(ctx, conn, queue)
+    if note:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         emit([m.as_dict() for m in found], True, [])
         return
@@ -496,14 +547,14 @@ def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
 def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
     """Everything about one message (or its dead letters)."""
     tables = make_tables(ctx.obj["prefix"])
+    check_queue_name(queue)
     with connect(ctx) as (_, conn):
-        existing_queue(ctx, conn, queue)
         now = database_now(conn)
         found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1) + list_messages(
             conn, tables, queue, state=State.DEAD, now=now, key=key, limit=20
         )
-    if not found:
-        raise Fail(f"no message {key!r} in queue {queue!r}")
+        if not found:
+            raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
     if as_json:
         click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=str))
         return
@@ -604,6 +655,41 @@ def run_now(ctx: click.Context, queue: str, key: str) -> None:
     _act(ctx, queue, key, lambda q: q.reschedule(key), "due now")
 
 
+CANCEL_CHUNK = 1000
+"""At most this many of the listed keys per DELETE of ``cancel --key-prefix``."""
+
+
+def prefix_chunks(prefix: str, keys: list[str], size: int) -> Iterator[tuple[str, bool, int]]:
+    """Cover ``keys`` (each starts with ``prefix``) with longer prefixes that hold at most ``size`` of them each.
+
+    Yields ``(sub, exact, n)``: ``cancel_prefix(sub)`` deletes ``n`` of the keys, or, when ``exact``,
+    ``sub`` is itself one of the keys (shorter than the prefixes below it) for ``cancel(sub)``.
+    """
+    if len(keys) <= size:
+        yield prefix, False, len(keys)
+        return
+    prefix = _common_prefix(keys)  # at least ``prefix``: skip the characters every key shares
+    groups: dict[str, list[str]] = {}
+    exact = 0
+    for k in keys:
+        if len(k) == len(prefix):
+            exact += 1
+        else:
+            groups.setdefault(k[: len(prefix) + 1], []).append(k)
+    if exact:
+        yield prefix, True, exact
+    for sub in sorted(groups):
+        yield from prefix_chunks(sub, groups[sub], size)
+
+
+def _common_prefix(keys: list[str]) -> str:
+    lo, hi = min(keys), max(keys)  # what the first and the last share, all share
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
 @main.command()
 @click.argument("queue")
 @click.argument("key", required=False)
@@ -612,7 +698,11 @@ def run_now(ctx: click.Context, queue: str, key: str) -> None:
 @click.pass_context
 @friendly
 def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
-    """Delete a message, or every message under --key-prefix."""
+    """Delete a message, or every message under --key-prefix.
+
+    With --key-prefix, the messages listed and confirmed are deleted in chunks of at most 1,000 (a DELETE
+    of a longer prefix each, with a progress bar on stderr); one offered under such a prefix meanwhile goes too.
+    """
     if (key is None) == (key_prefix is None):
         raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
     if key is not None:
@@ -620,30 +710,21 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
         return
     assert key_prefix is not None
     with connect(ctx) as (engine, conn):
-        existing_queue(ctx, conn, queue)
-        found = list_messages(
-            conn,
-            make_tables(ctx.obj["prefix"]),
-            queue,
-            state=None,
-            now=database_now(conn),
-            key_prefix=check_prefix(key_prefix),
-            limit=10_000_000,
-        )
-        conn.rollback()
-        keys = [m.key for m in found]
+        keys = keys_under(conn, make_tables(ctx.obj["prefix"]), check_queue_name(queue), check_prefix(key_prefix))
         if not keys:
-            raise Fail(f"no message in queue {queue!r} has a key that starts with {key_prefix!r}")
+            note = _noted(unknown_queue_note(ctx, conn, queue))
+            raise Fail(f"no message in queue {queue!r} has a key that starts with {key_prefix!r}{note}")
+        conn.rollback()
         if not yes:
             click.confirm(
                 f"cancel {len(keys)} message(s) of {queue!r} whose key starts with {key_prefix!r}?", abort=True
             )
         q, done = admin_queue(engine, ctx, queue), 0
-        # One key at a time, so the bar moves and no statement holds many locks; a message offered
-        # under the prefix meanwhile is left alone (it was not in the list confirmed).
-        with click.progressbar(keys, label="cancel", file=sys.stderr, show_pos=True) as bar:
-            for k in bar:
-                done += q.cancel(k)
+        # A statement per chunk of at most CANCEL_CHUNK keys: the bar moves, and no statement locks many rows.
+        with click.progressbar(length=len(keys), label="cancel", file=sys.stderr, show_pos=True) as bar:
+            for sub, exact, n in prefix_chunks(key_prefix, keys, CANCEL_CHUNK):
+                done += q.cancel(sub) if exact else q.cancel_prefix(sub)
+                bar.update(n)
     click.echo(f"{queue}: {done} message(s) cancelled")
 
 
@@ -679,10 +760,9 @@ def enqueue(
 
 def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:
     with connect(ctx) as (engine, conn):
-        existing_queue(ctx, conn, queue)
         conn.rollback()  # hold nothing while the action runs on its own connection
         if not action(admin_queue(engine, ctx, queue)):
-            raise Fail(f"no message {key!r} in queue {queue!r}")
+            raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
     click.echo(f"{queue} {key}: {done}")
 
 
@@ -721,10 +801,9 @@ def _dead_command(verb: str) -> Callable[..., None]:
         ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, everything: bool, yes: bool
     ) -> None:
         with connect(ctx) as (engine, conn):
-            existing_queue(ctx, conn, queue)
             keys = _dead_keys(ctx, conn, queue, key, key_prefix, everything)
-        if not keys:
-            raise Fail(f"no dead letters match in queue {queue!r}")
+            if not keys:
+                raise Fail(f"no dead letters match in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
         if not yes:
             click.confirm(f"{verb} {len(keys)} dead letter key(s) of {queue!r}?", abort=True)
         engine = sa.create_engine(ctx.obj["url"])
@@ -811,6 +890,7 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
     """
     from delayq.cron import uninstall
 
+    check_url(ctx.obj["url"])
     if not yes:
         click.confirm(f"uninstall cron schedule {name!r} of queue {queue!r}?", abort=True)
     engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)

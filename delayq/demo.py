@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -82,18 +83,38 @@ def settled(emails: DelayedQueue) -> bool:
 
 
 def next_steps(url: str) -> str:
-    """The commands to look further, as this user can type them (the delayq on PATH, or the one running)."""
-    command, hint = "delayq", ""
-    me = sys.argv[0] if sys.argv else ""
-    on_path = shutil.which("delayq")
-    if os.path.basename(me) == "delayq" and (on_path is None or not os.path.samefile(on_path, me)):
-        command = me if os.path.relpath(me).startswith("..") else os.path.relpath(me)
-        activate = os.path.join(os.path.dirname(command), "activate")
-        hint = f"\n(this delayq is not on your PATH: `source {activate}` puts it there)"
+    """The commands to look further, runnable as printed: ``delayq`` when that is on PATH and the one running,
+    else the path of the one running (``.venv/bin/delayq`` after ``scripts/demo``), with how to put it on PATH."""
+    command, hint = this_delayq()
     if url != "sqlite:///delayq.db":
-        command += f" --url '{sa.engine.make_url(url).render_as_string()}'"
+        command += " --url " + shlex.quote(sa.engine.make_url(url).render_as_string())  # password masked
     steps = (f"  {command} stats", f"  {command} ls {EMAILS} --state dead", f"  {command} dead requeue {EMAILS} --all")
     return "\n".join(steps) + hint
+
+
+def this_delayq() -> tuple[str, str]:
+    """How to run this delayq again from the current directory, and a hint to put it on PATH (or "")."""
+    me = sys.argv[0] if sys.argv else ""
+    if os.path.basename(me) == "delayq" and os.path.isfile(me):
+        script = me
+    else:  # python -m delayq.cli, or run_demo called from Python: the script of this interpreter's environment
+        script = os.path.join(os.path.dirname(sys.executable), "delayq")
+        if not os.path.isfile(script):
+            return f"{shlex.quote(sys.executable)} -m delayq.cli", ""
+    on_path = shutil.which("delayq")
+    if on_path is not None and os.path.samefile(on_path, script):
+        return "delayq", ""
+    relative = os.path.relpath(script)
+    shown = os.path.abspath(script) if relative.startswith("..") else relative
+    if os.sep not in shown:  # a bare name would be looked up on PATH
+        shown = os.path.join(".", shown)
+    activate = os.path.join(os.path.dirname(shown), "activate")
+    hint = (
+        f"\n(this delayq is not on your PATH: `source {shlex.quote(activate)}` puts it there)"
+        if os.path.isfile(activate)
+        else ""
+    )
+    return shlex.quote(shown), hint
 
 
 def run_demo(url: str, seconds: float) -> None:

@@ -5,7 +5,8 @@ prometheus-client's default) and starts counting; ``serve(port, queues)`` also s
 as ``delayq worker --metrics-port N`` does. What is exported:
 
 - counters per queue: ``delayq_offered_total``, ``delayq_delivered_total``, ``delayq_acked_total``,
-  ``delayq_retried_total``, ``delayq_dead_lettered_total``, ``delayq_lock_lost_total``;
+  ``delayq_retried_total``, ``delayq_dead_lettered_total``, ``delayq_lock_lost_total`` (a delivery whose
+  lock was found gone counts once, whether its heartbeat, its ack, its retry or its dead letter found it);
 - histograms per queue: ``delayq_handler_duration_seconds`` (with ``outcome``: success or failure) and
   ``delayq_pickup_latency_seconds`` (from a message's due time to its handler's start; clocks of the
   database and of the worker's host both count);
@@ -67,7 +68,10 @@ class Metrics(observe.Observer, Collector):
             "acked": counter("acked", "Messages acked (deleted after their handler returned)."),
             "retried": counter("retried", "Failed attempts released for a later one."),
             "dead_lettered": counter("dead_lettered", "Messages moved to the dead letters."),
-            "lock_lost": counter("lock_lost", "Deliveries whose lock was gone when their outcome was recorded."),
+            "lock_lost": counter(
+                "lock_lost",
+                "Deliveries whose lock was found gone (by a heartbeat, ack, retry or dead letter), once each.",
+            ),
         }
         self.duration = Histogram(
             "delayq_handler_duration_seconds",

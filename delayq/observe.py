@@ -4,7 +4,8 @@ The worker wraps every handler call in ``handling(delivery)``; the queue reports
 (``offered``, ``acked``, ``retried``, ``dead_lettered``, ``lock_lost``) through ``count``. Each
 installed ``Observer`` hears of them. ``delivery_log`` is installed from the start: it logs on the
 ``delayq.delivery`` logger, every record with structured fields (``delayq_event``, ``delayq_queue``,
-``delayq_key``, ``delayq_attempt``, ``delayq_duration``) that JSON log formatters pick up.
+``delayq_key``, ``delayq_id``, ``delayq_attempt``, ``delayq_duration``; a failure's also ``delayq_error_type``
+and ``delayq_error``) that JSON log formatters pick up. A failure is one record, with its traceback.
 """
 
 from __future__ import annotations
@@ -172,11 +173,13 @@ class DeliveryLog(Observer):
                 type(error).__name__,
                 error,
                 exc_info=(type(error), error, error.__traceback__),
-                extra=_fields("failure", delivery, duration),
+                extra=_fields("failure", delivery, duration, error),
             )
 
 
-def _fields(event: str, delivery: Delivery, duration: float | None) -> dict[str, object]:
+def _fields(
+    event: str, delivery: Delivery, duration: float | None, error: BaseException | None = None
+) -> dict[str, object]:
     hidden = delivery._queue.engine.hide_parameters
     fields: dict[str, object] = {
         "delayq_event": event,
@@ -187,6 +190,9 @@ def _fields(event: str, delivery: Delivery, duration: float | None) -> dict[str,
     }
     if duration is not None:
         fields["delayq_duration"] = duration
+    if error is not None:
+        fields["delayq_error_type"] = type(error).__name__
+        fields["delayq_error"] = str(error)
     return fields
 
 

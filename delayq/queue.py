@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -39,6 +40,52 @@ At = dt.datetime | dt.timedelta | None
 
 OFFER_CHUNK = 500
 """Rows per multi-row INSERT in ``offer_many``."""
+
+
+class _LostLocks:
+    """The deliveries (id, lock token) whose lost lock was counted: each is counted once, whichever of
+    the heartbeat (``extend_many``), ``ack``, ``retry``, ``extend`` or ``dead_letter`` finds it gone.
+
+    Bounded: the oldest entries go first. A delivery is asked about again within its handler's run, long
+    before ``SIZE`` other lost locks pass.
+    """
+
+    SIZE = 10_000
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, str], None] = {}
+        self._lock = threading.Lock()
+
+    def count(self, queue: str, lost: Iterable[tuple[int, str]]) -> None:
+        """Count the lost locks of ``lost`` not counted before."""
+        with self._lock:
+            new = self._mark(lost)
+        observe.count("lock_lost", queue, new)
+
+    def count_unacked(self, queue: str, pairs: Sequence[tuple[int, str]], acked: int) -> None:
+        """An ack deleted ``acked`` of ``pairs``, none of which is held any more: the others' locks are lost.
+
+        Which ones is not known (the deleted rows are gone): those counted before are among them,
+        and from now on all of ``pairs`` are marked (the acked ones are finished: when a heartbeat
+        finds them gone, that is no lost lock).
+        """
+        with self._lock:
+            already = sum(1 for p in pairs if p in self._seen)
+            self._mark(pairs)
+        observe.count("lock_lost", queue, max(0, len(pairs) - acked - already))
+
+    def _mark(self, pairs: Iterable[tuple[int, str]]) -> int:
+        new = 0
+        for p in pairs:
+            if p not in self._seen:
+                self._seen[p] = None
+                new += 1
+        while len(self._seen) > self.SIZE:
+            del self._seen[next(iter(self._seen))]
+        return new
+
+
+_lost_locks = _LostLocks()
 
 
 class DelayedQueue:
@@ -194,7 +241,7 @@ class DelayedQueue:
             params = {"queue_name": self.name, "limit": limit, "token": new_token(), **self._now_param()}
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
-        return self._deliveries(self._runner.run(using, op, self._runner.dialect.claim_mode), using)
+        return self._deliveries(self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit)), using)
 
     def release(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Give deliveries back unprocessed: due again at once, the attempt not counted.
@@ -247,6 +294,9 @@ class DelayedQueue:
         With ``skip_locked=True`` a message that another transaction holds a row lock on (a
         producer replacing it, an operator's ``SELECT … FOR UPDATE``) is left for a later ack
         instead of waited for: a background ack never blocks behind someone else's transaction.
+        A delivery whose lock is gone (expired and taken, or the message replaced or deleted)
+        is counted as ``lock_lost``, once; with ``skip_locked=True`` one more SELECT, only when
+        not all were acked, tells such deliveries from row-locked ones.
         """
         pairs: dict[tuple[int, str], None] = {}
         for d in deliveries:
@@ -257,20 +307,26 @@ class DelayedQueue:
             return 0
         tokens = {token for _, token in pairs}
 
-        def op(conn: Connection, dialect: Dialect) -> int:
+        def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
             stmts = self._statements(dialect)
             if skip_locked:
-                return dialect.delete_held(conn, stmts, {"pairs": list(pairs)})
+                acked = dialect.delete_held(conn, stmts, {"pairs": list(pairs)})
+                if acked == len(pairs):
+                    return acked, set()
+                # What is still ours was row-locked elsewhere (a later ack takes it); the rest is gone.
+                return acked, set(conn.execute(stmts.held_ids, {"pairs": list(pairs)}).scalars())
             if len(tokens) == 1:
                 [token] = tokens
-                return int(conn.execute(stmts.ack, {"token": token, "ids": [i for i, _ in pairs]}).rowcount)
-            return int(conn.execute(stmts.ack_pairs, {"pairs": list(pairs)}).rowcount)
+                return int(conn.execute(stmts.ack, {"token": token, "ids": [i for i, _ in pairs]}).rowcount), set()
+            return int(conn.execute(stmts.ack_pairs, {"pairs": list(pairs)}).rowcount), set()
 
-        acked = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
+        acked, held = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
             log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
             raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
         observe.count("acked", self.name, acked)
+        if acked < len(pairs):
+            _lost_locks.count_unacked(self.name, [p for p in pairs if p[0] not in held], acked)
         return acked
 
     def extend_many(
@@ -306,7 +362,8 @@ class DelayedQueue:
                 extended.append(d)
             elif d.id not in held:
                 lost.append(d)
-        observe.count("lock_lost", self.name, len(lost))
+        if lost:
+            _lost_locks.count(self.name, [(d.id, d.lock_token) for d in lost])
         return extended, lost
 
     def _retry(
@@ -325,7 +382,10 @@ class DelayedQueue:
             return bool(conn.execute(hs.retry, params).rowcount == 1)
 
         held = self._runner.run(using, op, "transaction")
-        observe.count("retried" if held else "lock_lost", self.name)
+        if held:
+            observe.count("retried", self.name)
+        else:
+            _lost_locks.count(self.name, [(d.id, d.lock_token)])
         return held
 
     def _extend(self, d: Delivery, by: dt.timedelta, using: Using) -> bool:
@@ -333,7 +393,10 @@ class DelayedQueue:
         if by_ms <= 0:
             raise InvalidInputError("extend(by=...) must be positive")
         params = {"msg_id": d.id, "token": d.lock_token, "by": by_ms, **self._now_param()}
-        return self._held_update(lambda s: s.extend, params, using)
+        held = self._held_update(lambda s: s.extend, params, using)
+        if not held:
+            _lost_locks.count(self.name, [(d.id, d.lock_token)])
+        return held
 
     def _held_update(self, pick: Callable[[Statements], sa.Executable], params: dict[str, Any], using: Using) -> bool:
         def op(conn: Connection, dialect: Dialect) -> bool:
@@ -346,7 +409,7 @@ class DelayedQueue:
     ) -> bool:
         held = self._dead_letter_held([(d.id, d.lock_token, error)], using, exception) == 1
         if not held:
-            observe.count("lock_lost", self.name)
+            _lost_locks.count(self.name, [(d.id, d.lock_token)])
         return held
 
     def _dead_letter_held(

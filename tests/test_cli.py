@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -94,7 +95,7 @@ def test_cron_ls(backend: Backend, queue_name: str) -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["ls", "no-such-queue"],
+        ["show", "no-such-queue", "k"],
         ["show", "{queue}", "no-such-key"],
         ["reschedule", "{queue}", "ready-2", "--in", "soon"],
         ["reschedule", "{queue}", "ready-2", "--at", "2030-01-01T09:00"],
@@ -143,6 +144,32 @@ def test_demo_runs_as_a_process_and_leaves_a_database_to_look_at(tmp_path: Path)
         [*run, "ls", "demo-emails", "--state", "dead"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert "email-7" in listed.stdout and "email-10" in listed.stdout
+    # The next steps it prints run as written, in a shell, from where the demo ran.
+    steps = done.stdout.split("next, to look at what it left in the database:\n", 1)[1].splitlines()
+    assert steps[0].endswith(" stats"), done.stdout
+    shown = subprocess.run(steps[0].strip(), shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and "demo-emails" in shown.stdout, steps[0] + shown.stdout + shown.stderr
+
+
+def test_after_scripts_demo_the_next_steps_are_those_the_readme_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import REPO_ROOT
+
+    from delayq.demo import next_steps
+
+    bin_dir = tmp_path / ".venv" / "bin"  # what scripts/demo runs: `exec .venv/bin/delayq demo` from the root
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "delayq").write_text("")
+    (bin_dir / "activate").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [".venv/bin/delayq", "demo"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    steps = next_steps("sqlite:///delayq.db").splitlines()
+    assert steps[0] == "  .venv/bin/delayq stats"
+    assert steps[-1] == "(this delayq is not on your PATH: `source .venv/bin/activate` puts it there)"
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "`.venv/bin/delayq stats`" in readme and "`source .venv/bin/activate`" in readme
 
 
 def test_printed_urls_mask_every_password(tmp_path: Path) -> None:
@@ -253,19 +280,54 @@ def test_enqueue_offers_json_now_at_or_in(backend: Backend, queue_name: str) -> 
     assert q.get("x") is None
 
 
-def test_cancel_by_key_prefix_asks_first_and_shows_progress(backend: Backend, queue_name: str) -> None:
+def test_cancel_by_key_prefix_asks_first_and_shows_progress(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import click._termui_impl
+
+    import delayq.cli
+
     q = DelayedQueue(backend.engine, queue_name)
     q.offer_many([(f"user-1-{i}", i, None) for i in range(5)] + [("user-10", 0, None), ("other", 0, None)])
     declined = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="n\n")
     assert declined.exit_code == 1 and q.stats().ready == 7
+    # Chunks of two keys at most (a DELETE under a longer prefix each), the bar drawn as on a terminal.
+    monkeypatch.setattr(delayq.cli, "CANCEL_CHUNK", 2)
+    monkeypatch.setattr(click._termui_impl, "isatty", lambda _: True)
+    cancelled: list[str] = []
+    cancel_prefix = DelayedQueue.cancel_prefix
+
+    def counted(self: DelayedQueue, prefix: str, **kwargs: Any) -> int:
+        cancelled.append(prefix)
+        return cancel_prefix(self, prefix, **kwargs)
+
+    monkeypatch.setattr(DelayedQueue, "cancel_prefix", counted)
     done = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="y\n")
-    assert done.exit_code == 0 and "cancel 5 message(s)" in done.output and "5 message(s) cancelled" in done.output
+    assert done.exit_code == 0 and "cancel 5 message(s)" in done.output and "5 message(s) cancelled" in done.stdout
+    assert cancelled == [f"user-1-{i}" for i in range(5)]
+    bar = done.stderr.split("\r")
+    assert [f"{i}/5" in "".join(bar) for i in range(6)] == [True] * 6, done.stderr
+    assert "cancel  [####################################]  5/5" in done.stderr, done.stderr
     assert q.get("user-10") is not None and q.get("other") is not None and q.stats().ready == 2
+    cancelled.clear()
     assert cli(backend, "cancel", queue_name, "--key-prefix", "user", "--yes").exit_code == 0
-    assert q.stats().ready == 1
+    assert cancelled == ["user"] and q.stats().ready == 1  # two keys: one chunk, one statement
     for bad in ([], ["other", "--key-prefix", "o"], ["--key-prefix", "none-such", "--yes"]):
         out = cli(backend, "cancel", queue_name, *bad)
         assert out.exit_code == 2, out.output
+
+
+def test_prefix_chunks_cover_every_key_once_and_hold_at_most_the_chunk() -> None:
+    from delayq.cli import prefix_chunks
+
+    keys = sorted({f"job-{n * 7919 % 10007}" for n in range(3000)} | {"job-", "job-1", "job-12"})
+    chunks = list(prefix_chunks("job-", keys, 100))
+    covered: list[str] = []
+    for sub, exact, n in chunks:
+        under = [k for k in keys if (k == sub if exact else k.startswith(sub))]
+        assert len(under) == n <= 100
+        covered += under
+    assert sorted(covered) == keys and len(chunks) < len(keys) / 10
 
 
 def test_ls_states_match_stats_expired_locks_included(backend: Backend, queue_name: str) -> None:
@@ -350,3 +412,62 @@ def test_colour_only_on_a_terminal(backend: Backend, filled: DelayedQueue) -> No
     plain = CliRunner().invoke(main, ["--url", backend.url, "ls", filled.name])
     coloured = CliRunner().invoke(main, ["--url", backend.url, "ls", filled.name], color=True)
     assert "\x1b[" not in plain.output and "\x1b[32mready" in coloured.output
+
+
+def test_a_drained_queue_lists_nothing_and_a_scheduled_one_stays_in_stats(backend: Backend, queue_name: str) -> None:
+    from delayq import CronService
+    from delayq.cron.schedule import NAMESPACE
+
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("once", 1)
+    delivery = q.try_poll()
+    assert delivery is not None and delivery.ack()  # drained: no message, no dead letter, no schedule
+    listed = cli(backend, "ls", queue_name)
+    assert listed.exit_code == 0 and listed.stdout.strip() == "(nothing)", listed.output
+    assert f"queue {queue_name!r} has no messages, dead letters or cron schedule" in listed.stderr
+    as_json = cli(backend, "ls", queue_name, "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout) == [] and as_json.stderr == ""
+    [row] = json.loads(cli(backend, "stats", queue_name, "--json").stdout)
+    assert (row["queue"], row["ready"], row["dead"]) == (queue_name, 0, 0)
+    shown = cli(backend, "show", queue_name, "once")
+    assert shown.exit_code == 2 and "no message 'once'" in shown.output and "has no messages" in shown.output
+
+    # A queue with a cron schedule is known while it has no message at all (its runs cancelled here).
+    ticks = DelayedQueue(backend.engine, f"{queue_name}-ticks")
+    CronService(ticks).install_periodic("tick", every=dt.timedelta(hours=1))
+    assert ticks.cancel_prefix(NAMESPACE) > 0 and ticks.stats().scheduled == 0
+    everything = {r["queue"]: r for r in json.loads(cli(backend, "stats", "--json").stdout)}
+    assert everything[ticks.name]["scheduled"] == 0 and everything[ticks.name]["ready"] == 0
+    assert queue_name not in everything  # nothing at all: as a queue never used (named, it shows zeros)
+    listed = cli(backend, "ls", ticks.name)
+    assert listed.exit_code == 0 and listed.stderr == "", listed.output
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["without-driver", "with-driver"])
+@pytest.mark.parametrize(
+    ("url", "module", "tested"),
+    [
+        ("postgresql+psycopg2://u@127.0.0.1:1/app", "psycopg2", "postgresql+psycopg://"),
+        ("mysql+pymysql://u@127.0.0.1:1/app", "pymysql", "mysql+mysqldb://"),
+    ],
+)
+def test_urls_of_drivers_delayq_is_not_tested_on_get_the_hint(
+    url: str, module: str, tested: str, installed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from delayq.cli import DRIVER_HINTS
+
+    really = importlib.util.find_spec(module) is not None
+    if not installed:
+        monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    elif not really:
+        monkeypatch.setattr("delayq.cli._importable", lambda _: True)  # as if it were
+    result = CliRunner().invoke(main, ["--url", url, "stats"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    if not installed:
+        assert f"the database driver is not installed ({module}): {DRIVER_HINTS[module]}" in result.output
+        assert tested in result.output
+    else:
+        assert f"uses {module}, which delayq is not tested on: it is on {tested}" in result.stderr, result.output
+        assert result.stderr.count("note:") == 1

@@ -136,3 +136,47 @@ def test_a_worker_process_serves_metrics_that_move_as_messages_flow(
     assert after["delayq_retried_total"] == 1 and after["delayq_dead_lettered_total"] == 1
     assert after["delayq_dead"] == 1 and after["delayq_ready"] == 0
     assert after["delayq_handler_duration_seconds_count{failure}"] == 2
+
+
+def test_a_lost_lock_counts_once_per_delivery_whichever_operation_finds_it(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    registry = CollectorRegistry()
+    metrics = register(registry)
+    minute = dt.timedelta(minutes=1)
+
+    def lost() -> float:
+        from prometheus_client import generate_latest
+
+        return samples(generate_latest(registry).decode(), queue_name).get("delayq_lock_lost_total", 0)
+
+    try:
+        q = DelayedQueue(engine, queue_name, clock=clock, visibility_timeout=minute)
+        q.offer_many([(k, k, None) for k in ("beat", "ack", "batch-1", "batch-2", "kept")])
+        stale = {d.key: d for d in q.try_poll_many(5)}
+        clock.advance(2 * minute)  # every lock expires ...
+        taken = {d.key: d for d in q.try_poll_many(4)}  # ... and another consumer takes all but "kept"
+        assert set(taken) == {"beat", "ack", "batch-1", "batch-2"} and lost() == 0
+
+        # The heartbeat finds the lock gone; the failed retry and dead letter that follow count nothing more.
+        assert q.extend_many([stale["beat"]], minute) == ([], [stale["beat"]])
+        assert lost() == 1
+        assert stale["beat"].retry(error="late") is False and stale["beat"].dead_letter("late") is False
+        assert stale["beat"].extend(minute) is False and lost() == 1
+
+        # A lost ack counts, once, however often it is tried.
+        assert stale["ack"].ack() is False and lost() == 2
+        assert stale["ack"].ack() is False and stale["ack"].retry() is False and lost() == 2
+
+        # A background ack (skip_locked) of a batch, as the worker sends it: the acked delivery is
+        # no lost lock, even when the heartbeat asks about it afterwards, as the worker does.
+        mixed = [taken["batch-1"], stale["batch-2"]]
+        assert q.ack_many(mixed, skip_locked=True) == 1 and lost() == 3
+        assert q.extend_many(mixed, minute) == ([], mixed) and lost() == 3
+        assert q.ack_many([stale["batch-1"], stale["batch-2"]], skip_locked=True) == 0 and lost() == 4
+
+        # An expired lock that nobody took is still held: no loss.
+        assert stale["kept"].ack() is True
+        assert q.ack_many([taken[k] for k in ("beat", "ack", "batch-2")]) == 3 and lost() == 4
+    finally:
+        unregister(metrics, registry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -178,3 +179,80 @@ def test_delayq_migrate_and_demo_after_a_pip_install_into_a_fresh_venv(
     for look, expected in ((["stats"], "demo-emails"), (["ls", "demo-emails", "--state", "dead"], "email-7")):
         shown = subprocess.run([delayq_cli, *look], cwd=demo_dir, env=env, capture_output=True, text=True)
         assert shown.returncode == 0 and expected in shown.stdout, shown.stdout + shown.stderr
+
+
+DOC_ENV = """
+import os
+
+import sqlalchemy as sa
+from alembic import context
+
+app_metadata = sa.MetaData()
+sa.Table("orders", app_metadata, sa.Column("id", sa.Integer, primary_key=True))
+
+engine = sa.create_engine(os.environ["DATABASE_URL"], poolclass=sa.pool.NullPool)
+with engine.connect() as conn:
+{documented}
+    with context.begin_transaction():
+        context.run_migrations()
+"""
+
+
+def documented_embedding() -> tuple[str, str, list[list[str]]]:
+    """docs/migrations.md's section on embedding: its alembic.ini, its env.py lines, its command blocks."""
+    doc = (REPO_ROOT / "docs" / "migrations.md").read_text()
+    section = doc.split("## Inside your application's Alembic", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    [ini] = [body for lang, body in blocks if lang == "ini"]
+    [env] = [body for lang, body in blocks if lang == "python"]
+    commands = [[line for line in body.splitlines() if line.strip()] for lang, body in blocks if lang == "bash"]
+    return ini, env, commands
+
+
+def test_the_documented_embedding_commands_run_as_written(tmp_path: Path) -> None:
+    """On a fresh database, and switching a standalone one (``delayq migrate``) to the app's environment."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "alembic").exists() or not (bin_dir / "delayq").exists():
+        pytest.skip(f"no alembic or delayq script next to {sys.executable}")
+    ini, env, (first_steps, stamp_steps) = documented_embedding()
+    assert first_steps[0].startswith("alembic upgrade heads")  # before any autogenerate, on a fresh database
+    assert [c.split("#")[0].split()[:2] for c in stamp_steps] == [
+        ["delayq", "migrate"],
+        ["alembic", "stamp"],
+        ["alembic", "upgrade"],
+    ]
+    app = tmp_path / "app"
+    (app / "migrations" / "versions").mkdir(parents=True)
+    assert "/site-packages/delayq/_alembic/versions" in ini
+    (app / "alembic.ini").write_text(
+        ini.replace("/site-packages/delayq/_alembic/versions", migrations.versions_location())
+    )
+    (app / "migrations" / "env.py").write_text(DOC_ENV.format(documented=textwrap.indent(env, "    ")))
+    (app / "migrations" / "script.py.mako").write_text((REPO_ROOT / "alembic" / "script.py.mako").read_text())
+
+    def run(commands: list[str], url: str) -> None:
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "DATABASE_URL": url}
+        env.pop("DELAYQ_URL", None)
+        for command in commands:
+            done = subprocess.run(command, shell=True, cwd=app, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{command}\n{done.stdout}{done.stderr}"
+
+    def tables(url: str) -> set[str]:
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            return set(sa.inspect(engine).get_table_names())
+        finally:
+            engine.dispose()
+
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    run(first_steps, fresh)
+    revisions = {p.read_text() for p in (app / "migrations" / "versions").glob("*.py")}
+    [first] = [r for r in revisions if "create_table('orders'" in r or 'create_table("orders"' in r]
+    assert "branch_labels = ('app',)" in first or 'branch_labels = ("app",)' in first
+    assert all("delayq_" not in r for r in revisions)  # autogenerate left delayq's tables alone
+    assert {"orders", "delayq_messages", "alembic_version"} <= tables(fresh)
+    assert "delayq_alembic_version" not in tables(fresh)  # the app's environment, not delayq's own
+
+    standalone = f"sqlite:///{tmp_path / 'standalone.db'}"
+    run(stamp_steps, standalone)  # delayq migrate, stamp, upgrade heads: no "table already exists"
+    assert {"orders", "delayq_messages", "delayq_alembic_version", "alembic_version"} <= tables(standalone)

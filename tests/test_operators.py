@@ -139,9 +139,33 @@ def test_each_delivery_logs_its_start_and_outcome_with_structured_fields(
     ]
     failure = records[1]
     assert failure.exc_info is not None and failure.exc_info[0] is StorageError
+    fields = (getattr(failure, "delayq_error_type", None), getattr(failure, "delayq_error", None))
+    assert fields == ("StorageError", "storage hiccup on a")
+    message = failure.getMessage()
+    assert "attempt 1 failed in " in message and "StorageError: storage hiccup on a" in message
     for r in records:
         assert (getattr(r, "delayq_queue", None), getattr(r, "delayq_key", None)) == (queue_name, "a")
     assert all(isinstance(getattr(r, "delayq_duration", None), float) for r in records if r.delayq_event != "start")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="delayq/worker.py (Worker._record_failure) still logs each failure's error again, on delayq.worker",
+)
+def test_each_failure_is_one_log_line(
+    engine: sa.Engine, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[tuple[int, int]] = []
+    worker = Worker(engine, [make_handler(queue_name, seen, [True])], clock=clock)
+    worker.queues[0].offer("b", 1)
+    with caplog.at_level(logging.INFO, logger="delayq"):
+        for _ in range(3):  # two retries, then the dead letter
+            assert worker.run_once() == 1
+            clock.advance(SECOND)
+    said = [r for r in caplog.records if "storage hiccup on b" in r.getMessage()]
+    assert [(r.name, r.levelno, r.delayq_attempt) for r in said] == [  # type: ignore[attr-defined]
+        ("delayq.delivery", logging.WARNING, attempt) for attempt in (1, 2, 3)
+    ]
 
 
 class Stamp(observe.Observer):
