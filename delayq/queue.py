@@ -795,20 +795,21 @@ def _due(at: At) -> tuple[int | None, int | None]:
 
 def check_key(key: object) -> str:
     """Return a valid message key or raise ``InvalidKeyError``."""
-    return _check_name(key, "key", MAX_KEY_LENGTH, InvalidKeyError)
+    return check_text(key, "key", MAX_KEY_LENGTH, InvalidKeyError)
 
 
 def check_prefix(prefix: object) -> str:
     """Return a valid, non-empty key prefix or raise ``InvalidKeyError``."""
-    return _check_name(prefix, "key prefix", MAX_KEY_LENGTH, InvalidKeyError)
+    return check_text(prefix, "key prefix", MAX_KEY_LENGTH, InvalidKeyError)
 
 
 def check_queue_name(name: object) -> str:
     """Return a valid queue name or raise ``InvalidQueueError``."""
-    return _check_name(name, "queue name", MAX_QUEUE_LENGTH, InvalidQueueError)
+    return check_text(name, "queue name", MAX_QUEUE_LENGTH, InvalidQueueError)
 
 
-def _check_name(value: object, what: str, limit: int, error: type[InvalidInputError]) -> str:
+def check_text(value: object, what: str, limit: int, error: type[InvalidInputError]) -> str:
+    """Return ``value`` if it is text a column of ``limit`` characters stores on every backend, else raise ``error``."""
     if not isinstance(value, str):
         raise error(f"{what} must be a str, got {type(value).__name__}")
     if not value:

@@ -6,6 +6,7 @@ import re
 import zlib
 
 from delayq.errors import InvalidInputError, InvalidKeyError
+from delayq.queue import check_text
 from delayq.schema import MAX_GROUP_LENGTH, MAX_KEY_LENGTH, MAX_MESSAGE_ID_LENGTH, MAX_SUBSCRIBER_LENGTH
 
 DLQ_SUFFIX = "_dlq"
@@ -33,17 +34,17 @@ def check_group(name: object) -> str:
 
 def check_subscriber(name: object) -> str:
     """A subscriber name: any text of at most 200 characters without NUL."""
-    return _check_text(name, "subscriber name", MAX_SUBSCRIBER_LENGTH, InvalidInputError)
+    return check_text(name, "subscriber name", MAX_SUBSCRIBER_LENGTH, InvalidInputError)
 
 
 def check_partition_key(key: object) -> str:
     """A partition key: any text of at most 200 characters without NUL; ``InvalidKeyError`` otherwise."""
-    return _check_text(key, "partition key", MAX_KEY_LENGTH, InvalidKeyError)
+    return check_text(key, "partition key", MAX_KEY_LENGTH, InvalidKeyError)
 
 
 def check_message_id(message_id: object) -> str:
     """A message id: any text of at most 200 characters without NUL; ``InvalidKeyError`` otherwise."""
-    return _check_text(message_id, "message id", MAX_MESSAGE_ID_LENGTH, InvalidKeyError)
+    return check_text(message_id, "message id", MAX_MESSAGE_ID_LENGTH, InvalidKeyError)
 
 
 def check_partitions(partitions: object) -> int:
@@ -68,23 +69,7 @@ def partition_for(key: str, partitions: int) -> int:
 
 
 def _check_identifier(value: object, what: str, limit: int) -> str:
-    text = _check_text(value, what, limit, InvalidInputError)
+    text = check_text(value, what, limit, InvalidInputError)
     if not _NAME.fullmatch(text):
         raise InvalidInputError(f"{what} must be letters, digits, '.', '_' and '-' only, got {text!r}")
     return text
-
-
-def _check_text(value: object, what: str, limit: int, error: type[InvalidInputError]) -> str:
-    if not isinstance(value, str):
-        raise error(f"{what} must be a str, got {type(value).__name__}")
-    if not value:
-        raise error(f"{what} must not be empty")
-    if len(value) > limit:
-        raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
-    if "\x00" in value:
-        raise error(f"{what} must not contain NUL characters (PostgreSQL cannot store them)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise error(f"{what} is not valid text: it contains a lone surrogate") from None
-    return value
