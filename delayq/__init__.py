@@ -18,7 +18,7 @@ from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueS
 from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
-from delayq.topics import LeaseLostError, Subscription, Topic, TopicDelivery
+from delayq.topics import LeaseLostError, Subscription, Topic, TopicDelivery, TopicHandler
 from delayq.transactions import TransientRetry
 from delayq.worker import Worker, WorkerHealth
 
@@ -53,6 +53,7 @@ __all__ = [
     "TextSerializer",
     "Topic",
     "TopicDelivery",
+    "TopicHandler",
     "TransientRetry",
     "UnsupportedDatabaseError",
     "Worker",

@@ -2,8 +2,10 @@
 
 Threads: the fetch loop (``run()``'s thread, or the one ``start()`` makes) claims messages for free
 slots, acks what was handled and sleeps when idle; a heartbeat thread extends the locks still held;
-on PostgreSQL a listener wakes the fetch loop; handlers run on a pool of daemon threads. Every loop
-survives any exception: it logs, backs off and goes on.
+on PostgreSQL a listener wakes the fetch loop; handlers run on a pool of daemon threads. Topic
+handlers share the fetch loop and the pool; their subscriptions' upkeep (rebalances, extensions,
+watermarks) runs on a thread of its own (``delayq.topics.consumer``). Every loop survives any
+exception: it logs, backs off and goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import inspect
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -35,7 +38,9 @@ from delayq.leases import Lease, Leases, describe
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
-from delayq.threads import DaemonPool
+from delayq.threads import DaemonPool, Task
+from delayq.topics.consumer import TopicConsumer, TopicConsumers
+from delayq.topics.handler import TopicHandler
 from delayq.watchdog import Watchdog
 
 log = logging.getLogger("delayq.worker")
@@ -59,11 +64,12 @@ class WorkerHealth:
     running: bool
     """Started and not yet stopped."""
     loops: Mapping[str, bool]
-    """Whether each background loop ("fetch", "heartbeat", and "listen" on PostgreSQL) is alive."""
+    """Whether each background loop ("fetch", "heartbeat", "listen" on PostgreSQL, "topics" with topic
+    handlers) is alive."""
     seconds_since_fetch: float | None
     """Monotonic seconds since a claim last reached the database (whatever it found); None before the first."""
     held: int
-    """Deliveries held: handlers running, and handled messages awaiting their ack."""
+    """Deliveries held: handlers running, and handled messages awaiting their ack (or topic outcome)."""
 
     @property
     def healthy(self) -> bool:
@@ -76,15 +82,17 @@ class _NotBegun(Exception):
 
 
 class Worker:
-    """Consumes the queues of its handlers until stopped.
+    """Consumes the queues and topics of its handlers until stopped.
 
     Args:
         engine: the database holding delayq's tables. Its pool should allow a connection per
             handler (a transactional handler holds one for its whole run) plus three for the
-            fetch loop, the heartbeat and the listener; ``delayq worker`` sizes it so.
-        handlers: ``Handler`` subclasses or instances, one per queue.
+            fetch loop, the heartbeat and the listener, and one more with topic handlers;
+            ``delayq worker`` sizes it so.
+        handlers: ``Handler`` subclasses or instances, one per queue, and ``TopicHandler`` ones,
+            one per (topic, group).
         concurrency: how many handlers run at once; the worker fetches only as many messages as
-            it has free slots, shared fairly between queues with due work. Defaults to 4.
+            it has free slots, shared fairly between queues and topics with due work. Defaults to 4.
         poll_interval: the longest an idle worker sleeps between polls when nothing wakes it
             (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second.
         shutdown_timeout: how long in-flight handlers may run on after a stop; what still runs
@@ -99,6 +107,8 @@ class Worker:
 
     Each handler's queue caps deliveries at ``handler.retry.max_attempts``: a message whose
     handler never reaches an outcome (its process dies every time) goes to the dead letters.
+    Topic handlers are consumed through a ``Subscription`` each, named by
+    ``handler.subscriber_name(worker.name)``; see ``TopicHandler`` and docs/topics.md.
     """
 
     #: Whether ``handle`` may be a coroutine function (``delayq.aio.AsyncWorker``); here it may not.
@@ -128,15 +138,28 @@ class Worker:
         self.poll_interval = poll_interval.total_seconds()
         self.shutdown_timeout = shutdown_timeout.total_seconds()
         self.clock = clock
-        self._queues: dict[str, tuple[Handler, DelayedQueue]] = {}
+        self.name = f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
+        """This worker's name (``host:pid:random``, unique per worker): its topic handlers' subscriber name."""
         for h in self.handlers:
-            name = getattr(h, "queue", None)
-            if not isinstance(name, str):
-                raise InvalidInputError(f"{type(h).__name__} must set the class attribute `queue`")
             if inspect.iscoroutinefunction(h.handle) and not self.runs_coroutines:
                 raise InvalidInputError(
                     f"{type(h).__name__}.handle is a coroutine (async def): run it with delayq.aio.AsyncWorker"
                 )
+        self._topics = TopicConsumers(
+            engine,
+            [h for h in self.handlers if isinstance(h, TopicHandler)],
+            self.name,
+            clock=clock,
+            table_prefix=table_prefix,
+            schema=schema,
+            backoff=backoff,
+        )
+        queue_handlers = [h for h in self.handlers if not isinstance(h, TopicHandler)]
+        self._queues: dict[str, tuple[Handler, DelayedQueue]] = {}
+        for h in queue_handlers:
+            name = getattr(h, "queue", None)
+            if not isinstance(name, str):
+                raise InvalidInputError(f"{type(h).__name__} must set the class attribute `queue`")
             if name in self._queues:
                 raise InvalidInputError(f"two handlers for queue {name!r}")
             q = DelayedQueue(
@@ -150,8 +173,8 @@ class Worker:
                 max_deliveries=h.retry.max_attempts,
             )
             self._queues[name] = (h, q)
-        self._schedules = ScheduleRunner(self.queues, schedules_for(self.handlers))
-        self._channel = next(iter(self._queues.values()))[1].tables.messages.name
+        self._schedules = ScheduleRunner(self.queues, schedules_for(queue_handlers))
+        self._channel = next((q.tables.messages.name for _, q in self._queues.values()), "")  # "": no queues
         self._listen = listen
         self._leases = Leases(clock)
         self._slot_freed = threading.Event()
@@ -162,7 +185,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._loops: dict[str, threading.Thread] = {}
         self._pool: DaemonPool | None = None
-        self._turn = 0  # the queue that claims first on the next fetch (round robin)
+        self._turn = 0  # the queue or topic that claims first on the next fetch (round robin)
         self._errors: dict[str, int] = {}  # failed claims in a row, per queue
         self._retry_at: dict[str, float] = {}  # per queue: no claim before this monotonic time
         self._last_fetch: float | None = None
@@ -206,33 +229,35 @@ class Worker:
             running=running,
             loops=MappingProxyType({name: running and t.is_alive() for name, t in self._loops.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
-            held=len(self._leases),
+            held=len(self._leases) + self._topics.running(),
         )
 
     @property
     def handled(self) -> int:
-        """Deliveries finished (acked, retried or dead-lettered) so far."""
-        return self._leases.handled
+        """Deliveries finished (acked, retried or dead-lettered) so far, of queues and topics."""
+        return self._leases.handled + self._topics.handled
 
     def run_once(self) -> int:
         """Handle every message due now, then return how many were handled. For tests and scripts.
 
-        Unlike ``run()``, a failed claim raises.
+        Topic handlers join their groups first and leave them at the end. Unlike ``run()``, a
+        failed claim raises.
         """
         self._pool = DaemonPool(self.concurrency, "delayq-handler")
         self._schedules.refresh()
         done = 0
         try:
+            self._topics.rebalance()
             while True:
                 started = self._fetch(self.concurrency, guard=False)
-                for h in started:
-                    assert h.task is not None
-                    h.task.wait()
+                for task in started:
+                    task.wait()
                 self._flush_acks()
                 if not started:
                     return done
                 done += len(started)
         finally:
+            self._topics.stop()
             self._pool.shutdown()
             self._pool = None
 
@@ -245,18 +270,26 @@ class Worker:
             "fetch": threading.current_thread(),
             "heartbeat": threading.Thread(target=self._heartbeat_loop, name="delayq-heartbeat", daemon=True),
         }
-        if self._listen and dialect_for(self.engine).can_notify:
+        if self._listen and self._channel and dialect_for(self.engine).can_notify:
             self._loops["listen"] = threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True)
+        if self._topics:
+            self._loops["topics"] = self._topics.loop(self._wake.set)
         for name, t in self._loops.items():
             if name != "fetch":
                 t.start()
         self._schedules.start()  # declared schedules are kept installed where the worker runs
         watchdog = None
         if self._stall_timeout is not None:
-            loops = [self._loops["fetch"], self._loops["heartbeat"]]
+            loops = [t for name, t in self._loops.items() if name != "listen"]
             watchdog = Watchdog(self.engine, self._stall_timeout, lambda: {t.ident for t in loops if t.ident})
             watchdog.start()
-        log.info("worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
+        log.info(
+            "worker %s started: queues %s; topics %s; concurrency %d",
+            self.name,
+            ", ".join(self._queues) or "none",
+            self._topics or "none",
+            self.concurrency,
+        )
         try:
             self._fetch_loop()
         except SchemaMissingError as exc:  # nothing can work: say so and stop
@@ -295,33 +328,42 @@ class Worker:
                 self._wake.wait(min(idle_sleep, self.poll_interval, self._until_next_due()))
                 idle_sleep = min(idle_sleep * 2, self.poll_interval)
 
-    def _fetch(self, free: int, *, guard: bool = True) -> list[Lease]:
-        """Claim up to ``free`` messages, shared fairly between queues, and start their handlers.
+    def _fetch(self, free: int, *, guard: bool = True) -> list[Task]:
+        """Claim up to ``free`` messages, shared fairly between queues and topics, and start their handlers.
 
-        Queues take turns to claim first; each gets an equal share of the free slots, and what a
-        queue leaves (it had fewer due) goes to the others in further passes.
+        Queues and topics take turns to claim first; each gets an equal share of the free slots, and
+        what one leaves (it had fewer due) goes to the others in further passes.
         """
-        names = list(self._queues)
-        names = names[self._turn :] + names[: self._turn]
-        self._turn = (self._turn + 1) % len(names)
+        sources: list[str | TopicConsumer] = [*self._queues, *self._topics.consumers]
+        sources = sources[self._turn :] + sources[: self._turn]
+        self._turn = (self._turn + 1) % len(sources)
         now = time.monotonic()
-        candidates = [n for n in names if self._retry_at.get(n, 0.0) <= now]
-        started: list[Lease] = []
+        candidates = [s for s in sources if (self._retry_at.get(s, 0.0) <= now if isinstance(s, str) else s.ready(now))]
+        started: list[Task] = []
         while free > 0 and candidates and not self._stopping.is_set():
             share, more = max(1, free // len(candidates)), []
-            for name in candidates:
+            for source in candidates:
                 if free == 0 or self._stopping.is_set():
                     break
                 want = min(share, free)
-                got = self._claim(name, want, guard)
+                got = self._claim(source, want, guard) if isinstance(source, str) else self._poll(source, want, guard)
                 started += got
                 free -= len(got)
                 if len(got) == want:
-                    more.append(name)
+                    more.append(source)
             candidates = more
         return started
 
-    def _claim(self, name: str, limit: int, guard: bool) -> list[Lease]:
+    def _poll(self, consumer: TopicConsumer, limit: int, guard: bool) -> list[Task]:
+        """Poll up to ``limit`` messages of a topic handler and start them (the consumer backs off on failure)."""
+        assert self._pool is not None
+        got = consumer.claim(limit, self._pool, self._handler_done, guard)
+        if got is None:
+            return []
+        self._last_fetch = time.monotonic()
+        return got
+
+    def _claim(self, name: str, limit: int, guard: bool) -> list[Task]:
         """Claim up to ``limit`` messages of one queue and start their handlers; on failure back this queue off."""
         handler, queue = self._queues[name]
         before = time.monotonic()
@@ -341,7 +383,7 @@ class Worker:
         for delivery in deliveries:
             lease = self._leases.add(handler, queue, delivery, before)
             lease.task = self._pool.submit(functools.partial(self._execute, lease))
-            started.append(lease)
+            started.append(lease.task)
         return started
 
     def _until_next_due(self) -> float:
@@ -356,7 +398,12 @@ class Worker:
         return max(soonest, MIN_IDLE_SLEEP)
 
     def _free_slots(self) -> int:
-        return self.concurrency - self._leases.running()
+        return self.concurrency - self._leases.running() - self._topics.running()
+
+    def _handler_done(self) -> None:
+        """A handler finished: its slot is free, and the fetch loop may find more."""
+        self._slot_freed.set()
+        self._wake.set()
 
     # -- one delivery ---------------------------------------------------------------------------
     def _execute(self, lease: Lease) -> None:
@@ -376,8 +423,7 @@ class Worker:
             self._record_failure(lease, exc)
         finally:
             self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
-            self._slot_freed.set()
-            self._wake.set()
+            self._handler_done()
 
     @staticmethod
     def _record_failure(lease: Lease, exc: Exception) -> None:
@@ -459,6 +505,7 @@ class Worker:
         after ``shutdown_timeout`` release what still runs."""
         self._schedules.stop(timeout=5.0)
         self._leases.release(self._leases.cancel_unstarted(), "never started")
+        self._topics.give_back_unstarted()
         deadline = time.monotonic() + self.shutdown_timeout
         while True:
             self._flush_acks()
@@ -468,13 +515,14 @@ class Worker:
             self._slot_freed.wait(min(0.1, left))
             self._slot_freed.clear()
         running = self._leases.still_running()
-        if running:
+        if running or self._topics.running():
             log.warning(
                 "%d handler(s) still running after %.0fs: releasing their messages; their threads are abandoned",
-                len(running),
+                len(running) + self._topics.running(),
                 self.shutdown_timeout,
             )
         self._leases.release(running, "still running")
+        self._topics.stop()  # gives back what still runs, then leaves the groups: partitions move at once
         self._flush_acks()
         unacked = self._leases.clear()
         if unacked:

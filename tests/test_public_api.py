@@ -37,6 +37,7 @@ EXPECTED = {
     "TextSerializer",
     "Topic",
     "TopicDelivery",
+    "TopicHandler",
     "TransientRetry",
     "UnsupportedDatabaseError",
     "Worker",

@@ -41,6 +41,7 @@ from delayq.leases import Lease, describe
 from delayq.messages import Delivery
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
+from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
 from delayq.worker import HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
 
@@ -120,9 +121,14 @@ class AsyncWorker(Worker):
     ) -> None:
         if not isinstance(engine, AsyncEngine):
             raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}; see delayq.Worker")
+        given = list(handlers)
+        for g in given:
+            if isinstance(g, TopicHandler) or (isinstance(g, type) and issubclass(g, TopicHandler)):
+                name = g.__name__ if isinstance(g, type) else type(g).__name__
+                raise InvalidInputError(f"{name} is a TopicHandler: AsyncWorker does not run them (use delayq.Worker)")
         super().__init__(
             engine.sync_engine,
-            handlers,
+            given,
             concurrency=concurrency,
             poll_interval=poll_interval,
             shutdown_timeout=shutdown_timeout,

@@ -2,10 +2,12 @@
 
 ``Topic`` publishes (idempotently, offsets in commit order per partition); ``Subscription`` is one
 subscriber of a consumer group: it shares the partitions with the group's other subscribers under
-fenced leases, polls, and acks, nacks or extends ``TopicDelivery`` objects.
+fenced leases, polls, and acks, nacks or extends ``TopicDelivery`` objects. ``TopicHandler`` is a
+topic's consumer that the ``Worker`` runs beside queue handlers (``delayq.topics.consumer``).
 """
 
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
+from delayq.topics.handler import TopicHandler
 from delayq.topics.names import DLQ_SUFFIX, dead_letter_topic, partition_for
 from delayq.topics.subscription import Subscription
 from delayq.topics.topic import PartitionInfo, Topic
@@ -20,6 +22,7 @@ __all__ = [
     "Subscription",
     "Topic",
     "TopicDelivery",
+    "TopicHandler",
     "TopicSummary",
     "dead_letter_topic",
     "group_lag",

@@ -1,0 +1,394 @@
+"""How a ``Worker`` runs ``TopicHandler``s: a ``Subscription`` per handler, fed by the worker's fetch loop.
+
+The worker's fetch loop calls ``TopicConsumer.claim`` with its share of the free slots (a poll of
+that many messages); each delivery runs on the worker's pool, and its outcome (ack, nack with the
+policy's delay, dead letter, or the exactly-once transaction) is recorded by the handler's thread.
+A thread of its own (``TopicConsumers.loop``) keeps the subscriptions alive: it rebalances every
+third of the lease duration, extends the visibility of deliveries whose handlers still run, and
+advances the watermarks every few seconds. A poll and a rebalance of one subscription never
+overlap, so the partitions a rebalance knows as busy are exact (it releases idle ones first: a
+released partition fences out the acks of its deliveries in flight). Every step survives database
+errors: it logs, backs off (per consumer) and goes on. A lost lease is logged and its delivery
+dropped; the partition's new holder gets the message after its visibility timeout.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+from delayq.clock import Clock
+from delayq.errors import DelayqError, InvalidInputError
+from delayq.handler import DeadLetter, Retry
+from delayq.humanize import human
+from delayq.leases import describe
+from delayq.threads import DaemonPool, Task
+from delayq.topics.delivery import LeaseLostError, TopicDelivery
+from delayq.topics.handler import TopicHandler
+from delayq.topics.names import dead_letter_topic
+from delayq.topics.subscription import Subscription
+
+log = logging.getLogger("delayq.worker")
+
+TICK = 0.05
+"""Seconds between two rounds of the maintenance loop (each round only acts on what is due)."""
+WATERMARK_INTERVAL = 5.0
+"""Seconds between two advances of a subscription's watermarks (polls advance those they visit)."""
+
+Backoff = Callable[[int], float]
+
+
+@dataclass(eq=False)
+class Held:
+    """A delivery the worker holds, from the poll until its outcome is recorded."""
+
+    delivery: TopicDelivery
+    extend_at: float
+    """Monotonic time of its next extension."""
+    invisible_until: dt.datetime
+    task: Task | None = None
+    finishing: bool = False
+    """The handler returned: its outcome is being recorded (the maintenance loop leaves it alone)."""
+    lost: bool = False
+    """An extension found the lease or the delivery gone."""
+
+    @property
+    def label(self) -> str:
+        d = self.delivery
+        return f"{d.topic}[{d.partition}]@{d.offset} ({d.message_id!r}, attempt {d.attempts})"
+
+
+class TopicConsumer:
+    """One ``TopicHandler``, its ``Subscription`` and the deliveries the worker holds of it."""
+
+    def __init__(self, handler: TopicHandler, sub: Subscription, clock: Clock | None, backoff: Backoff) -> None:
+        self.handler = handler
+        self.sub = sub
+        self.clock = clock
+        self._backoff = backoff
+        self._lock = threading.Lock()  # guards _held
+        self._held: dict[int, Held] = {}
+        self._polling = threading.Lock()  # a poll and a rebalance never overlap
+        self.handled = 0
+        """Deliveries finished (acked, nacked, dead-lettered, or found lost) so far."""
+        self._poll_errors = 0
+        self._poll_at = 0.0  # monotonic: no poll before
+        self._errors = 0
+        self._maintain_at = 0.0  # monotonic: no maintenance before (after an error)
+        self._rebalance_at = 0.0
+        self._rebalanced_on_clock: dt.datetime | None = None
+        self._watermarks_at = 0.0
+        self._rebalance_every = handler.lease_duration.total_seconds() / 3
+
+    def __repr__(self) -> str:
+        return f"TopicConsumer({self.sub.topic!r}, group={self.sub.group!r}, subscriber={self.sub.name!r})"
+
+    @property
+    def label(self) -> str:
+        return f"topic {self.sub.topic} (group {self.sub.group})"
+
+    def running(self) -> int:
+        """Deliveries held: handlers running or recording their outcome."""
+        with self._lock:
+            return len(self._held)
+
+    def ready(self, now: float) -> bool:
+        """Whether a poll may run now (not backing off after a failed one)."""
+        return now >= self._poll_at
+
+    # -- the fetch loop's side ------------------------------------------------------------------
+    def claim(self, limit: int, pool: DaemonPool, done: Callable[[], None], guard: bool = True) -> list[Task] | None:
+        """Poll up to ``limit`` messages and start their handlers on ``pool`` (``done`` is called after
+        each); None when the poll failed (logged, this consumer backs off). With ``guard=False`` a
+        failed poll raises."""
+        if not self._polling.acquire(blocking=False):  # a rebalance runs: poll at the next round
+            return []
+        try:
+            before = time.monotonic()
+            try:
+                deliveries = self.sub.poll(limit)
+            except Exception as exc:
+                if not guard:
+                    raise
+                self._poll_errors += 1
+                self._poll_at = before + self._backoff(self._poll_errors)
+                log.warning(
+                    "%s: poll failed (%s); next try in %.1fs", self.label, describe(exc), self._poll_at - before
+                )
+                return None
+            self._poll_errors = 0
+            vt = self.handler.visibility_timeout.total_seconds()
+            tasks = []
+            for d in deliveries:
+                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until)
+                with self._lock:
+                    self._held[id(held)] = held
+                held.task = pool.submit(functools.partial(self._execute, held, done))
+                tasks.append(held.task)
+            return tasks
+        finally:
+            self._polling.release()
+
+    # -- one delivery ---------------------------------------------------------------------------
+    def _execute(self, held: Held, done: Callable[[], None]) -> None:
+        d, handler = held.delivery, self.handler
+        log.debug("%s: handling", held.label)
+        try:
+            try:
+                if handler.transactional:
+                    self.sub.handle_exactly_once(d, functools.partial(handler.handle, d))
+                else:
+                    handler.handle(d)
+            except LeaseLostError:
+                held.finishing = True
+                log.warning("%s: lease lost while handling; its writes were rolled back", held.label)
+                return
+            except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
+                held.finishing = True
+                self._record_failure(held, exc)
+                return
+            held.finishing = True
+            if not handler.transactional:
+                self._ack(held)
+        finally:
+            with self._lock:
+                self._held.pop(id(held), None)
+                self.handled += 1
+            done()
+
+    def _ack(self, held: Held) -> None:
+        try:
+            if self.sub.ack(held.delivery):
+                log.debug("%s: handled", held.label)
+            else:
+                log.warning("%s: lease lost before the ack; the partition's holder gets it again", held.label)
+        except Exception as exc:  # (delayq retried transient errors already)
+            log.warning("%s: could not ack (%s); it will be delivered again", held.label, describe(exc))
+
+    def _record_failure(self, held: Held, exc: Exception) -> None:
+        """Nack with the policy's delay, or dead-letter when attempts ran out; ``Retry`` counts as an attempt."""
+        d, policy = held.delivery, self.handler.retry
+        if isinstance(exc, DeadLetter):
+            error, give_up = exc.reason, True
+        elif isinstance(exc, Retry):
+            error, give_up = exc.reason or "retry requested", policy.gives_up_after(d.attempts)
+        else:
+            error, give_up = f"{type(exc).__name__}: {exc}", policy.gives_up_after(d.attempts)
+        traceback = None if isinstance(exc, (Retry, DeadLetter)) else exc
+        try:
+            if give_up:
+                dlq = dead_letter_topic(d.topic)
+                log.warning("%s: failed, moved to %s: %s", held.label, dlq, error, exc_info=traceback)
+                recorded = self.sub.fail(d, error)
+            else:
+                delay = exc.after if isinstance(exc, Retry) and exc.after is not None else policy.delay(d.attempts)
+                what = "retry requested" if isinstance(exc, Retry) else "failed"
+                log.log(
+                    logging.INFO if traceback is None else logging.WARNING,
+                    "%s: %s, next in %s: %s",
+                    held.label,
+                    what,
+                    human(delay),
+                    error,
+                    exc_info=traceback,
+                )
+                recorded = self.sub.nack(d, delay, error)
+            if not recorded:
+                log.warning("%s: lease lost before the outcome was recorded", held.label)
+        except Exception as db_error:
+            log.warning(
+                "%s: could not record the outcome (%s); it will be delivered again", held.label, describe(db_error)
+            )
+
+    # -- the maintenance loop's side ------------------------------------------------------------
+    def maintain(self, wake: Callable[[], None]) -> None:
+        """Do what is due: rebalance, extend long handlers' deliveries, advance the watermarks.
+        Never raises: a failure is logged and this consumer's next round waits (backoff)."""
+        now = time.monotonic()
+        if now < self._maintain_at:
+            return
+        try:
+            if self._rebalance_due(now):
+                self.rebalance(wake)
+            self._extend_due(now)
+            if now >= self._watermarks_at:
+                self.sub.advance_watermarks()
+                self._watermarks_at = now + WATERMARK_INTERVAL
+            self._errors = 0
+        except Exception as exc:
+            self._errors += 1
+            self._maintain_at = now + self._backoff(self._errors)
+            unexpected = not isinstance(exc, (DelayqError, DBAPIError))  # a bug: show where
+            log.warning(
+                "%s: %s; going on in %.1fs", self.label, describe(exc), self._maintain_at - now, exc_info=unexpected
+            )
+
+    def rebalance(self, wake: Callable[[], None] = lambda: None) -> None:
+        """Heartbeat, renew the leases, hold the fair share (busy partitions released last); ``wake``
+        when partitions were gained."""
+        with self._polling:
+            with self._lock:
+                busy = {x.delivery.partition for x in self._held.values()}
+            before = set(self.sub.held)
+            held = set(self.sub.rebalance(busy=busy))
+        self._rebalance_at = time.monotonic() + self._rebalance_every
+        self._rebalanced_on_clock = None if self.clock is None else self.clock.now()
+        if held != before:
+            log.info("%s: %s holds partitions %s", self.label, self.sub.name, sorted(held) or "none")
+        if held - before:
+            wake()
+
+    def _rebalance_due(self, now: float) -> bool:
+        if now >= self._rebalance_at:
+            return True
+        # On an injected clock the leases expire in that clock's time, which tests move by hand.
+        last, every = self._rebalanced_on_clock, self.handler.lease_duration / 3
+        return self.clock is not None and last is not None and self.clock.now() >= last + every
+
+    def _extend_due(self, now: float) -> None:
+        vt = self.handler.visibility_timeout
+        clock_now = None if self.clock is None else self.clock.now()
+        with self._lock:
+            due = [
+                x
+                for x in self._held.values()
+                if not (x.finishing or x.lost)
+                and (now >= x.extend_at or (clock_now is not None and clock_now >= x.invisible_until - vt / 2))
+            ]
+        for x in due:
+            before = time.monotonic()
+            until = self.sub.extend(x.delivery, vt)
+            if until is not None:
+                x.extend_at, x.invisible_until = before + vt.total_seconds() / 2, until
+            elif not x.finishing:  # (an outcome recorded meanwhile ends the delivery too)
+                x.lost = True
+                log.warning("%s: lease or delivery lost while handling; another subscriber may get it", x.label)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def give_back(self, unstarted_only: bool) -> None:
+        """Make held messages visible again at once (a nack without delay), for the partition's next
+        holder: those whose handlers never started (kept from starting now), or all still running."""
+        with self._lock:
+            held = list(self._held.values())
+        if unstarted_only:
+            held = [x for x in held if x.task is not None and x.task.cancel()]
+            with self._lock:
+                for x in held:
+                    self._held.pop(id(x), None)
+        last = self.sub.max_attempts
+        for x in held:
+            if x.finishing or (last is not None and x.delivery.attempts >= last):
+                continue  # (a nack of the last attempt would dead-letter it: let its timeout run out)
+            try:
+                self.sub.nack(x.delivery, dt.timedelta(0), "the worker stopped before it was handled")
+            except Exception as exc:
+                log.warning("%s: could not give it back (%s); it returns after its timeout", x.label, describe(exc))
+
+    def leave(self) -> None:
+        """Advance the watermarks, then leave the group: the others take the partitions at once."""
+        for step in (self.sub.advance_watermarks, self.sub.close):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("%s: %s on leaving: %s", self.label, step.__name__, describe(exc))
+        log.info("%s: %s left the group", self.label, self.sub.name)
+
+
+class TopicConsumers:
+    """The topic side of a ``Worker``: a ``TopicConsumer`` per ``TopicHandler`` and their maintenance loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        handlers: Sequence[TopicHandler],
+        worker: str,
+        *,
+        clock: Clock | None,
+        table_prefix: str,
+        schema: str | None,
+        backoff: Backoff,
+    ) -> None:
+        self.consumers: list[TopicConsumer] = []
+        seen: set[tuple[str, str]] = set()
+        for h in handlers:
+            for attr in ("topic", "group"):
+                if not isinstance(getattr(h, attr, None), str):
+                    raise InvalidInputError(f"{type(h).__name__} must set the class attribute `{attr}`")
+            if (h.topic, h.group) in seen:
+                raise InvalidInputError(f"two handlers for topic {h.topic!r} in group {h.group!r}")
+            seen.add((h.topic, h.group))
+            if h.schedules:
+                raise InvalidInputError(f"{type(h).__name__}: a topic handler cannot declare schedules")
+            sub = Subscription(
+                engine,
+                h.topic,
+                h.group,
+                h.subscriber_name(worker),
+                start=h.start,
+                lease_duration=h.lease_duration,
+                visibility_timeout=h.visibility_timeout,
+                max_attempts=h.retry.max_attempts,
+                strict=h.strict,
+                serializer=h.serializer,
+                clock=clock,
+                table_prefix=table_prefix,
+                schema=schema,
+            )
+            self.consumers.append(TopicConsumer(h, sub, clock, backoff))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.consumers)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{c.sub.topic} (group {c.sub.group})" for c in self.consumers)
+
+    def running(self) -> int:
+        return sum(c.running() for c in self.consumers)
+
+    @property
+    def handled(self) -> int:
+        return sum(c.handled for c in self.consumers)
+
+    def loop(self, wake: Callable[[], None]) -> threading.Thread:
+        """The maintenance thread (not started): rebalances, extensions, watermarks, until ``stop``."""
+        self._stop.clear()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                for c in self.consumers:
+                    if self._stop.is_set():
+                        break
+                    c.maintain(wake)
+                self._stop.wait(TICK)
+
+        self._thread = threading.Thread(target=run, name="delayq-topics", daemon=True)
+        return self._thread
+
+    def rebalance(self) -> None:
+        """Join the groups and take the partitions now (``Worker.run_once``); raises on failure."""
+        for c in self.consumers:
+            c.rebalance()
+
+    def give_back_unstarted(self) -> None:
+        for c in self.consumers:
+            c.give_back(unstarted_only=True)
+
+    def stop(self) -> None:
+        """Stop the maintenance loop, give back what still runs, advance the watermarks, leave the groups."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+        for c in self.consumers:
+            c.give_back(unstarted_only=False)
+            c.leave()
