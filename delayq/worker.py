@@ -437,14 +437,15 @@ class Worker:
             error, give_up = f"{type(exc).__name__}: {exc}", handler.retry.gives_up_after(delivery.attempts)
         try:
             if give_up:
-                log.warning("%s: attempt %d failed, dead-lettered: %s", delivery.label, delivery.attempts, error)
+                # (the failure itself is logged once, with its traceback, on delayq.delivery)
+                log.info("%s: attempt %d dead-lettered", delivery.label, delivery.attempts)
                 held = delivery.dead_letter(error, exception=exc)
             else:
                 delay = exc.after if isinstance(exc, Retry) else None
                 delay = handler.retry.delay(delivery.attempts) if delay is None else delay
                 what = "retry requested" if isinstance(exc, Retry) else "failed"
                 next_in = human(delay)
-                log.info("%s: attempt %d %s, next in %s: %s", delivery.label, delivery.attempts, what, next_in, error)
+                log.info("%s: attempt %d %s, next in %s", delivery.label, delivery.attempts, what, next_in)
                 held = delivery.retry(delay, error, exception=exc)
             if not held and not lease.lost:  # (a lost lock the heartbeat found is logged already)
                 log.warning("%s: lock lost before the outcome was recorded", delivery.label)

@@ -148,10 +148,6 @@ def test_each_delivery_logs_its_start_and_outcome_with_structured_fields(
     assert all(isinstance(getattr(r, "delayq_duration", None), float) for r in records if r.delayq_event != "start")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="delayq/worker.py (Worker._record_failure) still logs each failure's error again, on delayq.worker",
-)
 def test_each_failure_is_one_log_line(
     engine: sa.Engine, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
