@@ -48,6 +48,7 @@ log = logging.getLogger("delayq.worker")
 SIGNAL_GRACE = 10.0
 """Seconds past ``shutdown_timeout`` after a SIGINT/SIGTERM at which the process exits whatever blocks."""
 MIN_IDLE_SLEEP = 0.01
+ACK_GATHER = 0.002  # seconds the ack loop lets a batch of handlers finish before it acks them together
 MAX_ERROR_BACKOFF = 5.0
 HEARTBEAT_TICK = 0.05
 
@@ -178,6 +179,8 @@ class Worker:
         self._listen = listen
         self._leases = Leases(clock)
         self._slot_freed = threading.Event()
+        self._ack_due = threading.Event()  # a handled delivery awaits its ack
+        self._acking = threading.Event()  # set: the ack loop ends
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -269,7 +272,9 @@ class Worker:
         self._loops = {
             "fetch": threading.current_thread(),
             "heartbeat": threading.Thread(target=self._heartbeat_loop, name="delayq-heartbeat", daemon=True),
+            "ack": threading.Thread(target=self._ack_loop, name="delayq-ack", daemon=True),
         }
+        self._acking.clear()
         if self._listen and self._channel and dialect_for(self.engine).can_notify:
             self._loops["listen"] = threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True)
         if self._topics:
@@ -307,8 +312,7 @@ class Worker:
         idle_sleep, errors = MIN_IDLE_SLEEP, 0
         while not self._stopping.is_set():
             self._wake.clear()  # a wake-up from now on ends the next sleep
-            try:
-                self._flush_acks()
+            try:  # (acks go out from their own loop meanwhile)
                 free = self._free_slots()
                 started = self._fetch(free) if free else []
                 errors = 0
@@ -422,7 +426,9 @@ class Worker:
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             self._record_failure(lease, exc)
         finally:
-            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
+            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack loop
+            if to_ack:
+                self._ack_due.set()
             self._handler_done()
 
     @staticmethod
@@ -501,9 +507,29 @@ class Worker:
                 self._stopped.wait(backoff(errors))
 
     # -- shutdown -------------------------------------------------------------------------------
+    def _ack_loop(self) -> None:
+        """Ack handled deliveries as they come, in batches, beside the claims (not between them).
+
+        A claim and an ack each wait for a round trip (and a commit); sent from two connections at
+        once, the fetch loop claims the next batch while the last one's acks are on their way.
+        """
+        while not self._acking.is_set():
+            if self._ack_due.wait(self.poll_interval):
+                self._acking.wait(ACK_GATHER)  # the rest of a batch's handlers finish meanwhile
+            self._ack_due.clear()
+            self._flush_acks()  # on a quiet tick too: what a row lock held back last time
+
+    def _stop_acking(self) -> None:
+        """End the ack loop (the shutdown acks from here on); a call stuck in it is left to the watchdog."""
+        self._acking.set()
+        ack = self._loops.get("ack")
+        if ack is not None and ack.ident is not None and ack is not threading.current_thread():
+            ack.join(timeout=2.0)
+
     def _shutdown(self) -> None:
         """Release what never started; wait for running handlers (acking, heartbeats going on);
         after ``shutdown_timeout`` release what still runs."""
+        self._stop_acking()
         self._schedules.stop(timeout=5.0)
         self._leases.release(self._leases.cancel_unstarted(), "never started")
         self._topics.give_back_unstarted()

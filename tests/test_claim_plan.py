@@ -69,8 +69,8 @@ def explain(engine: sa.Engine, backend: str, sent: list[tuple[str, Any]]) -> str
     prefix = {"sqlite": "EXPLAIN QUERY PLAN ", "mysql": "EXPLAIN FORMAT=JSON "}.get(backend, "EXPLAIN ")
     with engine.connect() as conn:
         for sql, params in sent[:pick]:
-            if sql.upper().startswith("SET"):
-                conn.exec_driver_sql(sql, params or ())
+            if "SET " in sql.upper() and not params:  # the session settings it sent (PostgreSQL: with BEGIN)
+                conn.exec_driver_sql(sql)
         sql, params = sent[pick]
         rows = conn.exec_driver_sql(prefix + sql, params).all()
         conn.rollback()

@@ -497,7 +497,7 @@ def test_health_reports_running_loops_fetches_and_held_deliveries(
             wait_until(lambda: gate.started == {"job"}, "the handler to start")
             health = worker.health()
             assert health.healthy and health.held == 1
-            loops = {"fetch", "heartbeat"} | ({"listen"} if backend.name == "postgresql" else set())
+            loops = {"fetch", "heartbeat", "ack"} | ({"listen"} if backend.name == "postgresql" else set())
             assert set(health.loops) == loops
             assert health.seconds_since_fetch is not None and health.seconds_since_fetch < 30
             gate.release("job")

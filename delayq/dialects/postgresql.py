@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 # A batch claim's plan: the due index, never a sort (see ``claim_mode_for``).
-_NO_SORT = "SET LOCAL enable_sort = off"
+# One simple query (no parameters: psycopg sends it as is), so a batch claim costs one round trip more than
+# its statement and the COMMIT.
+_BEGIN_NO_SORT = "BEGIN; SET LOCAL enable_sort = off"
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
 # cannot_connect_now, and the connection_exception class.
 _TRANSIENT = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
@@ -139,15 +141,16 @@ class PostgresDialect(Dialect):
         # A batch claim must walk the due index: on a table whose statistics are stale (analyzed
         # while empty, autovacuum off) the planner takes a sort of every due row for free and
         # picks it over the index, 10x slower at 20,000 due rows. Forbidding the sort for this one
-        # transaction costs two round trips per batch. A claim of one keeps the index anyway
-        # (LIMIT 1 makes the first row's cost decide) and stays one autocommitted statement.
+        # transaction costs two round trips per batch (BEGIN with the setting, and the COMMIT). A
+        # claim of one keeps the index anyway (LIMIT 1 makes the first row's cost decide) and stays
+        # one autocommitted statement.
         return "ordered" if limit > 1 else "statement"
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
         # (psycopg switches autocommit without one).
-        if mode == "ordered":  # the setting ends with the transaction: nothing else sees it
-            return OwnedStart(sql=("BEGIN", _NO_SORT) if autocommitting else (_NO_SORT,))
+        if mode == "ordered":  # BEGIN and the setting in one round trip; the setting ends with the transaction
+            return OwnedStart(autocommit=not autocommitting, sql=(_BEGIN_NO_SORT,))
         if mode != "transaction":
             return OwnedStart(autocommit=not autocommitting, commit=False)
         return OwnedStart(sql=("BEGIN",) if autocommitting else ())
