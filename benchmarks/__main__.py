@@ -3,6 +3,7 @@
     python -m benchmarks                       # all backends, full sizes, median of 3 runs
     python -m benchmarks --quick               # small sizes, one run (CI runs this)
     python -m benchmarks --backends postgresql --json results.json
+    python -m benchmarks --only topics         # topics (benchmarks/topics.py)
 
 Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local services by default);
 SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
@@ -30,6 +31,7 @@ import sqlalchemy as sa
 
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
+from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
 
@@ -421,6 +423,7 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         lambda: metrics_overhead(lambda: worker_drain(engine, q, sizes.consume_batch, 1)),
     )
     aio_bench.measure_all(engine, q, sizes, measure)  # delayq.aio beside the sync API
+    topics_bench.measure_all(engine, sizes, measure)  # benchmarks/topics.py: topics beside their ceiling
     scale_figures = {
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
@@ -440,9 +443,10 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
 def print_row(f: Figure, ceiling_label: str = "ceiling") -> None:
     ratio = f"{f.ratio:5.2f}" if f.ratio is not None else "    -"
     theirs = f"{f.ceiling:9.0f}" if f.ceiling is not None else "        -"
+    ours = f"{f.delayq:9.0f}" if f.delayq >= 10 else f"{f.delayq:9.2f}"  # slow events (topics: settle times)
     lat = f"  p50 {f.p50_ms:6.2f} ms  p99 {f.p99_ms:6.2f} ms" if f.p50_ms is not None else ""
     print(
-        f"{f.backend:<10} {f.scenario:<58} {f.delayq:9.0f}/s  {ceiling_label} {theirs}/s  ratio {ratio}{lat}",
+        f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{lat}",
         flush=True,
     )
 

@@ -30,3 +30,5 @@ def test_quick_benchmarks_run_and_lose_nothing(backend_urls: dict[str, str], tmp
     figures = json.loads(out.read_text())
     assert {f["backend"] for f in figures} == {"sqlite", "postgresql", "mysql"}
     assert all(f["delayq"] > 0 for f in figures)
+    topics = {(f["backend"], f["scenario"]) for f in figures if f["scenario"].startswith("topics: ")}
+    assert len(topics) == 7 * 3, sorted(topics)  # benchmarks/topics.py: every topic scenario on every backend

@@ -1,0 +1,582 @@
+"""Topics (``delayq.topics``) beside a raw-SQL ceiling measured in the same run.
+
+Scenarios (registered in ``python -m benchmarks``, all named "topics: ..."; ``--only topics``):
+
+- publish one message per call, and ``publish_many`` of 500, each beside the ceiling's publish;
+- poll(100) + ack_many with 1 and with 4 subscribers (threads, each its own ``Subscription`` of one
+  group) over a topic of 1,000 partitions, beside the ceiling's consumer reading the same log as a
+  group of its own; every run checks that each message was acked exactly once and that both groups'
+  watermarks reached the heads (lag 0), and fails instead of printing a figure otherwise;
+- the time for a rebalance to settle when a 4th subscriber joins and when 1 of 4 leaves gracefully
+  (every partition leased to a live subscriber, none holding more than ``ceil(partitions / live)``);
+- the time until a group's lag is back to 0 after 1 of 4 subscribers is killed (stops without
+  ``close()``: its leases must expire; a 2 s ``lease_duration`` and visibility timeout).
+
+The three time scenarios print "/s" as 1 / mean time and the times themselves as p50/p99 (ms); they
+have no ceiling (their cost is protocol rounds and lease expiry, not SQL).
+
+The ceiling is what a hand-written implementation on the same tables would send, through a DBAPI
+connection of its own (see ``CeilingPublisher`` and ``CeilingConsumer``). It keeps offsets in commit
+order per partition as delayq does (the head counter row, locked by the publishing transaction), but
+keeps no per-message delivery state: a Kafka-style consumer that commits one watermark per batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from benchmarks import ceiling
+from delayq import Subscription, Topic
+from delayq.topics import group_lag, partition_for
+
+PREFIX = "bench_"
+TOPIC = "bench"
+GROUP = "bench"
+CEILING_GROUP = "ceiling"
+PARTITIONS = 1000
+BATCH = 500  # publish_many
+POLL = 100  # poll(100) / the ceiling's offset range per partition
+ROUNDS = 2  # consume: delayq and the ceiling take turns, round by round, over the same messages
+PAYLOAD = b'{"n":1}'
+TABLES = [
+    f"{PREFIX}{t}"
+    for t in (
+        "topic_subscribers",
+        "topic_offsets",
+        "topic_leases",
+        "topic_deliveries",
+        "topic_log",
+        "topic_heads",
+        "topics",
+    )
+]
+Result = tuple[float, float | None, list[float]]
+Measure = Callable[[str, Callable[[], Result]], None]
+
+
+class LostMessages(AssertionError):
+    pass
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def reset(engine: sa.Engine, partitions: int = PARTITIONS) -> Topic:
+    """Empty every topic table (TRUNCATE: no dead rows left for the next run), create the topic again."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            for t in TABLES:
+                conn.exec_driver_sql(f"DELETE FROM {t}")
+        elif engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"TRUNCATE {', '.join(TABLES)}")
+        else:
+            for t in TABLES:
+                conn.exec_driver_sql(f"TRUNCATE {t}")
+    topic = Topic(engine, TOPIC, table_prefix=PREFIX)
+    topic.create(partitions)
+    return topic
+
+
+def _q(engine: sa.Engine) -> str:
+    return "`partition`" if engine.dialect.name == "mysql" else '"partition"'
+
+
+def check_log(engine: sa.Engine, expected: int) -> None:
+    """The log holds ``expected`` rows, with offsets 1..head in every partition (gap-free, no duplicate)."""
+    p = _q(engine)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT h.{p}, h.head, count(l.message_offset), coalesce(max(l.message_offset), 0)"
+            f" FROM {PREFIX}topic_heads h LEFT JOIN {PREFIX}topic_log l ON l.topic = h.topic AND l.{p} = h.{p}"
+            f" WHERE h.topic = '{TOPIC}' GROUP BY h.{p}, h.head"
+        ).all()
+    total = sum(int(r[2]) for r in rows)
+    bad = [r for r in rows if not int(r[1]) == int(r[2]) == int(r[3])]
+    if total != expected or bad:
+        raise LostMessages(f"publish: {total} rows in the log, {expected} expected; partitions with gaps: {bad[:3]}")
+
+
+def run_threads(n: int, work: Callable[[int], object]) -> float:
+    """Run ``work(i)`` in n threads started together; the wall time until the last one ends."""
+    barrier = threading.Barrier(n + 1)
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        barrier.wait()
+        try:
+            work(i)
+        except BaseException as exc:  # reported after join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def subscribers(engine: sa.Engine, n: int, lease: dt.timedelta, **options: Any) -> list[Subscription]:
+    return [
+        Subscription(engine, TOPIC, GROUP, f"sub-{i}", lease_duration=lease, table_prefix=PREFIX, **options)
+        for i in range(n)
+    ]
+
+
+def settled(engine: sa.Engine, live: list[Subscription]) -> bool:
+    """Every partition leased (unexpired) to one of ``live``, none holding more than its fair share."""
+    names = {s.name for s in live}
+    now = dt.datetime.now(dt.UTC)
+    lag = group_lag(engine, TOPIC, GROUP, table_prefix=PREFIX)
+    held = Counter(p.holder for p in lag if p.holder in names and p.lease_expires_at and p.lease_expires_at > now)
+    share = math.ceil(len(lag) / len(live))
+    return sum(held.values()) == len(lag) and max(held.values(), default=0) <= share
+
+
+def settle(engine: sa.Engine, live: list[Subscription], max_rounds: int = 20) -> tuple[float, int]:
+    """Rounds of every subscriber rebalancing at once (threads) until settled: (seconds of rounds, rounds)."""
+    spent = 0.0
+    for rounds in range(1, max_rounds + 1):
+        spent += run_threads(len(live), lambda i: live[i].rebalance())
+        if settled(engine, live):
+            return spent, rounds
+    raise LostMessages(f"rebalance: {len(live)} subscribers did not settle within {max_rounds} rounds")
+
+
+# -- the ceiling ------------------------------------------------------------------------------------
+class CeilingPublisher:
+    """Publishing as a hand-written implementation would, with offsets in commit order per partition.
+
+    One message: the head counter UPDATE and the log row INSERT in one transaction. PostgreSQL: one
+    autocommitted statement (``WITH h AS (UPDATE heads ... RETURNING head) INSERT INTO log SELECT ... FROM
+    h``); MySQL/MariaDB and SQLite: UPDATE, then INSERT ... SELECT head (the row this transaction just
+    locked), COMMIT. Idempotence is left to the unique constraint (a duplicate fails the statement and
+    the transaction rolls back, head included); delayq looks the id up first and reports IGNORED.
+
+    A batch: in one transaction, lock and read the touched head rows in partition order (concurrent
+    batches cannot deadlock), one multi-row INSERT of the log rows (PostgreSQL: one array per column),
+    one UPDATE of every touched head (PostgreSQL: joined to arrays; others: CASE), COMMIT. delayq sends
+    the same plus the id lookup, and updates the heads with an executemany.
+    """
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.name = name = engine.dialect.name
+        self.raw = ceiling.connect(engine, autocommit=name == "postgresql")
+        self.ph = "?" if name == "sqlite" else "%s"
+        self.p, self.now = _q(engine), ceiling.NOW_MS[name]
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def _begin(self, cur: Any) -> None:
+        if self.name == "sqlite":
+            cur.execute("BEGIN IMMEDIATE")
+        elif self.name == "postgresql":
+            cur.execute("BEGIN")
+
+    def _commit(self, cur: Any) -> None:
+        self.raw.commit() if self.name == "mysql" else cur.execute("COMMIT")
+
+    def one(self, key: str, mid: str, payload: bytes) -> None:
+        part = partition_for(key, PARTITIONS)
+        ph, p, cur = self.ph, self.p, self.raw.cursor()
+        cols = f"topic, {p}, message_offset, partition_key, message_id, payload, payload_type, published_at"
+        if self.name == "postgresql":
+            cur.execute(
+                f"WITH h AS (UPDATE {PREFIX}topic_heads SET head = head + 1 WHERE topic = %s AND {p} = %s"
+                f" RETURNING head) INSERT INTO {PREFIX}topic_log ({cols})"
+                f" SELECT %s, %s, h.head, %s, %s, %s, 'json', {self.now} FROM h",
+                (TOPIC, part, TOPIC, part, key, mid, payload),
+            )
+            return
+        self._begin(cur)
+        cur.execute(f"UPDATE {PREFIX}topic_heads SET head = head + 1 WHERE topic = {ph} AND {p} = {ph}", (TOPIC, part))
+        cur.execute(
+            f"INSERT INTO {PREFIX}topic_log ({cols}) SELECT topic, {p}, head, {ph}, {ph}, {ph}, 'json', {self.now}"
+            f" FROM {PREFIX}topic_heads WHERE topic = {ph} AND {p} = {ph}",
+            (key, mid, payload, TOPIC, part),
+        )
+        self._commit(cur)
+
+    def many(self, items: list[tuple[str, str, bytes]]) -> None:
+        ph, p, cur = self.ph, self.p, self.raw.cursor()
+        parts = sorted({partition_for(k, PARTITIONS) for k, _, _ in items})
+        marks = ", ".join([ph] * len(parts))
+        lock = " FOR UPDATE" if self.name != "sqlite" else ""
+        self._begin(cur)
+        cur.execute(
+            f"SELECT {p}, head, {self.now} FROM {PREFIX}topic_heads WHERE topic = {ph} AND {p} IN ({marks})"
+            f" ORDER BY {p}{lock}",
+            (TOPIC, *parts),
+        )
+        locked = cur.fetchall()
+        heads = {int(r[0]): int(r[1]) for r in locked}
+        now = int(locked[0][2])
+        rows = []
+        for k, mid, payload in items:
+            part = partition_for(k, PARTITIONS)
+            heads[part] += 1
+            rows.append((part, heads[part], k, mid, payload))
+        cols = f"topic, {p}, message_offset, partition_key, message_id, payload, payload_type, published_at"
+        if self.name == "postgresql":
+            cur.execute(
+                f"INSERT INTO {PREFIX}topic_log ({cols}) SELECT %s, v.p, v.o, v.k, v.m, v.b, 'json', %s FROM"
+                " unnest(%s::int[], %s::bigint[], %s::varchar[], %s::varchar[], %s::bytea[]) AS v(p, o, k, m, b)",
+                (TOPIC, now, *(list(c) for c in zip(*rows, strict=True))),
+            )
+            cur.execute(
+                f"UPDATE {PREFIX}topic_heads SET head = v.h FROM unnest(%s::int[], %s::bigint[]) AS v(p, h)"
+                f" WHERE {PREFIX}topic_heads.topic = %s AND {PREFIX}topic_heads.{p} = v.p",
+                (list(heads), list(heads.values()), TOPIC),
+            )
+        else:
+            values = ", ".join([f"({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, 'json', {ph})"] * len(rows))
+            cur.execute(
+                f"INSERT INTO {PREFIX}topic_log ({cols}) VALUES {values}",
+                [v for part, o, k, mid, b in rows for v in (TOPIC, part, o, k, mid, b, now)],
+            )
+            case = " ".join([f"WHEN {ph} THEN {ph}"] * len(heads))
+            cur.execute(
+                f"UPDATE {PREFIX}topic_heads SET head = CASE {p} {case} END WHERE topic = {ph} AND {p} IN ({marks})",
+                (*(v for item in heads.items() for v in item), TOPIC, *heads),
+            )
+        self._commit(cur)
+
+
+class CeilingConsumer:
+    """Consuming as a hand-written, Kafka-style implementation would: by offset range, one watermark per batch.
+
+    It holds its partitions (a static share, no lease rows) and keeps their watermarks in memory (read
+    once per drain). A pass reads the heads of its partitions (one SELECT, as delayq's poll does first);
+    for each partition with a head above its watermark it reads the next offsets
+    (``message_offset > mark AND message_offset <= mark + 100``, by primary key) and then moves the
+    watermark with one autocommitted ``UPDATE ... SET acked_offset = :new WHERE ... AND acked_offset =
+    :old`` (compare-and-swap: a fence against another holder). Passes repeat until none finds work.
+    No per-message delivery state (no visibility timeout, nack, attempt count or dead letters): that
+    is what delayq's poll and ack add per message.
+    """
+
+    def __init__(self, engine: sa.Engine, partitions: list[int]) -> None:
+        self.name = name = engine.dialect.name
+        self.raw = ceiling.connect(engine, autocommit=True)
+        self.parts = partitions
+        ph, p = ("?" if name == "sqlite" else "%s"), _q(engine)
+        marks = ", ".join([ph] * len(partitions))
+        self.read_marks = (
+            f"SELECT {p}, acked_offset FROM {PREFIX}topic_offsets WHERE consumer_group = '{CEILING_GROUP}'"
+            f" AND topic = {ph} AND {p} IN ({marks})"
+        )
+        self.read_heads = f"SELECT {p}, head FROM {PREFIX}topic_heads WHERE topic = {ph} AND {p} IN ({marks})"
+        self.read_range = (
+            f"SELECT message_offset, message_id, payload FROM {PREFIX}topic_log WHERE topic = {ph} AND {p} = {ph}"
+            f" AND message_offset > {ph} AND message_offset <= {ph} ORDER BY message_offset"
+        )
+        self.commit = (
+            f"UPDATE {PREFIX}topic_offsets SET acked_offset = {ph}, updated_at = {ceiling.NOW_MS[name]}"
+            f" WHERE consumer_group = '{CEILING_GROUP}' AND topic = {ph} AND {p} = {ph} AND acked_offset = {ph}"
+        )
+
+    def drain(self, delivered: Counter[str], lock: threading.Lock) -> None:
+        cur = self.raw.cursor()
+        cur.execute(self.read_marks, (TOPIC, *self.parts))
+        marks = {int(r[0]): int(r[1]) for r in cur.fetchall()}
+        while True:
+            cur.execute(self.read_heads, (TOPIC, *self.parts))
+            work = sorted((int(r[0]), int(r[1])) for r in cur.fetchall() if int(r[1]) > marks[int(r[0])])
+            if not work:
+                return
+            for part, head in work:
+                mark = marks[part]
+                cur.execute(self.read_range, (TOPIC, part, mark, min(head, mark + POLL)))
+                rows = cur.fetchall()
+                new = int(rows[-1][0])
+                cur.execute(self.commit, (new, TOPIC, part, mark))
+                if cur.rowcount != 1:
+                    raise LostMessages(f"ceiling: the watermark of partition {part} moved under it")
+                marks[part] = new
+                with lock:
+                    delivered.update(r[1] for r in rows)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+# -- publishing -------------------------------------------------------------------------------------
+def publish_single(engine: sa.Engine, n: int) -> Result:
+    """``Topic.publish`` and the ceiling's, taking turns call by call (the same keys, so the same partitions)."""
+    topic = reset(engine)
+    raw = CeilingPublisher(engine)
+    ours: list[float] = []
+    theirs = 0.0
+    for i in range(n):
+        key = f"k{i}"
+        ours.append(ceiling.timed(functools.partial(topic.publish, key, f"d{i}", {"n": i})))
+        theirs += ceiling.timed(functools.partial(raw.one, key, f"c{i}", PAYLOAD))
+    raw.close()
+    check_log(engine, 2 * n)
+    return n / sum(ours), n / theirs, ours
+
+
+def publish_batches(engine: sa.Engine, n: int) -> Result:
+    """``Topic.publish_many`` of 500 and the ceiling's batch, taking turns batch by batch."""
+    topic = reset(engine)
+    raw = CeilingPublisher(engine)
+    ours: list[float] = []
+    theirs = 0.0
+    for b in range(0, n, BATCH):
+        batch = range(b, min(n, b + BATCH))
+        ours.append(ceiling.timed(functools.partial(topic.publish_many, [(f"k{i}", f"d{i}", {"n": i}) for i in batch])))
+        theirs += ceiling.timed(functools.partial(raw.many, [(f"k{i}", f"c{i}", PAYLOAD) for i in batch]))
+    raw.close()
+    check_log(engine, 2 * n)
+    return n / sum(ours), n / theirs, ours
+
+
+# -- consuming --------------------------------------------------------------------------------------
+def check_drained(engine: sa.Engine, group: str, expected: set[str], delivered: Counter[str], what: str) -> None:
+    lagging = [p for p in group_lag(engine, TOPIC, group, table_prefix=PREFIX) if p.lag or p.pending]
+    if set(delivered) != expected or (delivered and max(delivered.values()) != 1) or lagging:
+        missing = len(expected - set(delivered))
+        twice = sum(1 for v in delivered.values() if v > 1)
+        raise LostMessages(
+            f"{what}: {missing} not delivered, {twice} delivered twice, {len(lagging)} partitions with lag"
+            f" (first: {lagging[:1]})"
+        )
+
+
+def consume(engine: sa.Engine, n: int, consumers: int) -> Result:
+    """Drain n messages over 1,000 partitions with delayq (poll(100) + ack_many) and the same n with the
+    ceiling (a group of its own reading the same log), in alternating rounds."""
+    topic = reset(engine)
+    offsets = sa.table(
+        f"{PREFIX}topic_offsets",
+        sa.column("consumer_group"),
+        sa.column("topic"),
+        sa.column("partition"),
+        sa.column("acked_offset"),
+        sa.column("updated_at"),
+    )
+    subs = subscribers(engine, consumers, dt.timedelta(minutes=10))
+    for s in subs:
+        s.join()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(offsets),
+            [
+                {"consumer_group": CEILING_GROUP, "topic": TOPIC, "partition": p, "acked_offset": 0, "updated_at": 0}
+                for p in range(PARTITIONS)
+            ],
+        )
+    raws = [CeilingConsumer(engine, list(range(i, PARTITIONS, consumers))) for i in range(consumers)]
+    lock = threading.Lock()
+    ours_time = theirs_time = 0.0
+    per_round = n // ROUNDS
+    for r in range(ROUNDS):
+        expected = {f"m{r}-{i}" for i in range(per_round)}
+        keys = sorted(expected)
+        for b in range(0, per_round, 1000):
+            topic.publish_many([(k, k, {"k": k}) for k in keys[b : b + 1000]])
+        settle(engine, subs)  # untimed: every subscriber holds its share (and its leases are renewed)
+        ours_seen: Counter[str] = Counter()
+        theirs_seen: Counter[str] = Counter()
+
+        def ours(i: int, seen: Counter[str] = ours_seen) -> None:
+            sub = subs[i]
+            while got := sub.poll(POLL):
+                if not all(sub.ack_many(got)):
+                    raise LostMessages(f"delayq: {sub.name} could not ack what it polled")
+                with lock:
+                    seen.update(d.message_id for d in got)
+
+        def theirs(i: int, seen: Counter[str] = theirs_seen) -> None:
+            raws[i].drain(seen, lock)
+
+        for turn in (0, 1) if r % 2 == 0 else (1, 0):
+            if turn == 0:
+                ours_time += run_threads(consumers, ours)
+            else:
+                theirs_time += run_threads(consumers, theirs)
+        check_drained(engine, GROUP, expected, ours_seen, f"delayq x{consumers}")
+        check_drained(engine, CEILING_GROUP, expected, theirs_seen, f"ceiling x{consumers}")
+    for s in subs:
+        s.close()
+    for c in raws:
+        c.close()
+    done = ROUNDS * per_round
+    return done / ours_time, done / theirs_time, []
+
+
+# -- rebalancing ------------------------------------------------------------------------------------
+NOTES: list[int] = []  # rounds to settle, per run (printed under the figure)
+
+
+def rebalance_join(engine: sa.Engine) -> Result:
+    """3 subscribers settled; a 4th joins: the time (rounds of all rebalancing at once) until settled."""
+    reset(engine)
+    subs = subscribers(engine, 4, dt.timedelta(minutes=10))
+    settle(engine, subs[:3])
+    start = time.perf_counter()
+    subs[3].join()
+    joined = time.perf_counter() - start
+    spent, rounds = settle(engine, subs)
+    NOTES.append(rounds)
+    for s in subs:
+        s.close()
+    return 1 / (joined + spent), None, [joined + spent]
+
+
+def rebalance_leave(engine: sa.Engine) -> Result:
+    """4 subscribers settled; one calls close(): the time until the other 3 hold every partition, fairly."""
+    reset(engine)
+    subs = subscribers(engine, 4, dt.timedelta(minutes=10))
+    settle(engine, subs)
+    start = time.perf_counter()
+    subs[3].close()
+    closed = time.perf_counter() - start
+    spent, rounds = settle(engine, subs[:3])
+    NOTES.append(rounds)
+    for s in subs[:3]:
+        s.close()
+    return 1 / (closed + spent), None, [closed + spent]
+
+
+# -- a killed subscriber ----------------------------------------------------------------------------
+LEASE = dt.timedelta(seconds=2)
+BACKLOG = 400  # small: the survivors drain their own share long before the victim's leases expire
+
+
+def lag_recovery(engine: sa.Engine) -> Result:
+    """4 subscribers over 1,000 partitions, each rebalancing every lease_duration / 3 in a thread of its own
+    and polling in another, as a worker does, with a backlog of 400 messages. One of them polls and acks
+    10, polls 10 more and stops without acking or closing (killed): its partitions wait for its leases to
+    expire (and its heartbeat to go stale), its 10 for the visibility timeout. The time from the kill until
+    the group's lag is 0 (the floor is the 2 s lease); every message must have been acked exactly once."""
+    topic = reset(engine)
+    keys = [f"r{i}" for i in range(BACKLOG)]
+    topic.publish_many([(k, k, {"k": k}) for k in keys])
+    subs = subscribers(engine, 4, LEASE, visibility_timeout=LEASE)
+    victim, survivors = subs[3], subs[:3]
+    settle(engine, subs)
+    acked: Counter[str] = Counter()
+    lock = threading.Lock()
+    stop = threading.Event()
+    killed_at: list[float] = []
+    errors: list[BaseException] = []
+
+    def record(sub: Subscription, got: list[Any]) -> None:
+        done = sub.ack_many(got)
+        with lock:
+            acked.update(d.message_id for d, ok in zip(got, done, strict=True) if ok)
+
+    def guarded(body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # reported after join
+                errors.append(exc)
+                stop.set()
+
+        return run
+
+    def heartbeat(sub: Subscription) -> None:
+        while not stop.is_set():
+            sub.rebalance()
+            stop.wait(LEASE.total_seconds() / 3)
+
+    def consume(sub: Subscription) -> None:
+        while not stop.is_set():
+            if got := sub.poll(POLL):
+                record(sub, got)
+            else:
+                stop.wait(0.02)
+
+    def die() -> None:
+        try:
+            victim.rebalance()
+            record(victim, victim.poll(10))
+            victim.poll(10)  # in flight when it dies: back after the visibility timeout
+        finally:
+            killed_at.append(time.perf_counter())
+
+    p = _q(engine)
+    lag_sql = sa.text(
+        f"SELECT coalesce(sum(h.head - o.acked_offset), 0) FROM {PREFIX}topic_offsets o JOIN {PREFIX}topic_heads h"
+        f" ON h.topic = o.topic AND h.{p} = o.{p} WHERE o.consumer_group = :g AND o.topic = :t"
+    )
+    victims_sql = sa.text(
+        f"SELECT count(*) FROM {PREFIX}topic_leases WHERE consumer_group = :g AND topic = :t AND holder = :me"
+    )
+    threads = [threading.Thread(target=guarded(die))]
+    for sub in survivors:
+        threads += [threading.Thread(target=guarded(functools.partial(heartbeat, sub)))]
+        threads += [threading.Thread(target=guarded(functools.partial(consume, sub)))]
+    for t in threads:
+        t.start()
+    handed_over = None
+    try:
+        threads[0].join()
+        deadline = killed_at[0] + 60
+        while not errors:  # one cheap query at a time: the monitor must not starve the subscribers
+            with engine.connect() as conn:
+                params = {"g": GROUP, "t": TOPIC, "me": victim.name}
+                if handed_over is None and not conn.execute(victims_sql, params).scalar_one():
+                    handed_over = time.perf_counter() - killed_at[0]
+                if not conn.execute(lag_sql, params).scalar_one():
+                    break
+            if time.perf_counter() > deadline:
+                raise LostMessages("lag recovery: the group's lag is not 0 a minute after the kill")
+            time.sleep(0.02)
+        recovered = time.perf_counter() - killed_at[0]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    lagging = [lag for lag in group_lag(engine, TOPIC, GROUP, table_prefix=PREFIX) if lag.lag or lag.pending]
+    if lagging or set(acked) != set(keys) or max(acked.values()) != 1:
+        raise LostMessages(
+            f"lag recovery: {len(set(keys) - set(acked))} never acked, {sum(v > 1 for v in acked.values())}"
+            f" acked twice, {len(lagging)} partitions with lag"
+        )
+    NOTES.append(round((handed_over or recovered) * 1000))
+    for s in survivors:
+        s.close()
+    return 1 / recovered, None, [recovered]
+
+
+# -- registration -----------------------------------------------------------------------------------
+def measure_all(engine: sa.Engine, sizes: Any, measure: Measure) -> None:
+    """Every topic scenario, through ``python -m benchmarks``'s ``measure`` (which honours ``--only``)."""
+    measure("topics: publish (one per call)", lambda: publish_single(engine, sizes.single))
+    measure(f"topics: publish_many ({BATCH} per call)", lambda: publish_batches(engine, sizes.batch))
+    for consumers in (1, 4):
+        measure(
+            f"topics: poll({POLL}) + ack_many, {consumers} sub(s), {PARTITIONS:,} partitions",
+            functools.partial(consume, engine, sizes.consume_batch, consumers),
+        )
+    for scenario, fn in (
+        ("topics: rebalance settles, a 4th sub joins (ms)", rebalance_join),
+        ("topics: rebalance settles, 1 of 4 leaves (close) (ms)", rebalance_leave),
+    ):
+        NOTES.clear()
+        measure(scenario, functools.partial(fn, engine))
+        if NOTES:
+            rounds = ", ".join(map(str, NOTES))
+            print(f"{'':<10} (settled after {rounds} round(s) of every subscriber rebalancing at once)", flush=True)
+    NOTES.clear()
+    measure(f"topics: lag to 0 after 1 of 4 killed, lease {LEASE.seconds} s (ms)", lambda: lag_recovery(engine))
+    if NOTES:
+        handed = ", ".join(map(str, NOTES))
+        print(f"{'':<10} (its partitions all held by the others after {handed} ms)", flush=True)
