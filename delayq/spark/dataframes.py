@@ -1,6 +1,5 @@
-"""PySpark: offer a DataFrame's rows as messages from the executors, and read queues back as DataFrames.
-
-Install with ``pip install 'delayq[spark]'``. Importing ``delayq`` never imports pyspark; this module does.
+"""Functions over DataFrames: offer a DataFrame's rows as messages from the executors (returning the counts),
+read a queue back as a DataFrame. (The ``delayq`` data source does both through ``spark.read``/``write``.)
 
 Spark's JDBC writer is not used: it cannot skip duplicate keys and needs a driver jar. Each partition
 builds its own engine from the URL (engines are not shipped to executors), offers its rows in chunks
@@ -23,13 +22,11 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from delayq.clock import duration_ms, from_ms
-from delayq.dialects import dialect_class
-from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError, UnsupportedDatabaseError
+from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, make_tables
-
-__all__ = ["OfferCounts", "offer_dataframe", "read_messages"]
+from delayq.spark.options import check_url
 
 _KEY, _PAYLOAD, _DUE_US = "__delayq_key", "__delayq_payload", "__delayq_due_us"
 
@@ -198,15 +195,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, decimal.Decimal):
         return str(value)
     return value
-
-
-def check_url(url: str) -> None:
-    """Refuse URLs executors cannot use: bad syntax, unsupported backends, in-memory SQLite."""
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa.exc.ArgumentError as exc:
-        raise UnsupportedDatabaseError(f"bad database URL {url!r}: {exc}") from None
-    dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
 
 
 MESSAGE_SCHEMA = T.StructType(

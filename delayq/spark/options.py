@@ -1,0 +1,160 @@
+"""The ``delayq`` data source's options, parsed and checked in one place, on the driver, before any work.
+
+Every option is a string (Spark passes them so); names are case-insensitive.
+
+- ``url`` (required): the database URL, which every executor opens itself; an in-memory SQLite database is
+  refused (executors could not share it).
+- ``queue`` or ``topic`` (exactly one): what is read or written.
+- ``dead`` (``false``): with ``queue``, read its dead letters instead of its live messages.
+- ``group``: with ``topic``, a consumer group whose watermarks follow a streaming query's committed offsets,
+  so ``delayq topics lag`` shows the query's lag and garbage collection keeps what it has not read. Use a
+  group of its own: no ``Subscription`` may read it.
+- ``table_prefix`` (``delayq_``), ``schema`` (none): where delayq's tables are.
+- ``update`` (``false``): a queue write replaces messages whose keys exist (``offer(update=True)``).
+- ``chunk_size`` (500): rows per ``offer_many`` / ``publish_many`` transaction when writing.
+- ``partitions`` (the session's default parallelism, at least 1): input partitions of a queue's batch read.
+- ``maxRowsPerTrigger`` (none): a streaming read's limit per micro-batch.
+- ``startingOffsets`` (``earliest``): where a new streaming query (no checkpoint) starts: ``earliest`` (the
+  oldest retained message), ``latest`` (only what is published from now on), or ``group`` (the ``group``'s
+  watermarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from delayq.dialects import dialect_class
+from delayq.errors import InvalidInputError, UnsupportedDatabaseError
+from delayq.queue import check_queue_name
+from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
+from delayq.topics.names import check_group, check_topic_stored
+
+KNOWN = {
+    "url",
+    "queue",
+    "topic",
+    "dead",
+    "group",
+    "table_prefix",
+    "schema",
+    "update",
+    "chunk_size",
+    "partitions",
+    "maxrowspertrigger",
+    "startingoffsets",
+    "path",  # Spark adds it for load(path) / save(path); refused below when set
+    "checkpointlocation",  # Spark's own, passed along to streaming sinks
+    "queryname",
+}
+
+
+def check_url(url: str) -> None:
+    """Refuse URLs executors cannot use: bad syntax, unsupported backends, in-memory SQLite."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise UnsupportedDatabaseError(f"bad database URL {url!r}: {exc}") from None
+    dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
+
+
+def _bool(options: Mapping[str, str], name: str) -> bool:
+    value = str(options.get(name, "false")).strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidInputError(f"option {name!r} must be true or false, got {value!r}")
+    return value == "true"
+
+
+def _int(options: Mapping[str, str], name: str, default: int | None) -> int | None:
+    if name not in options or options[name] is None:
+        return default
+    try:
+        value = int(str(options[name]))
+    except ValueError:
+        raise InvalidInputError(f"option {name!r} must be a positive integer, got {options[name]!r}") from None
+    if value < 1:
+        raise InvalidInputError(f"option {name!r} must be a positive integer, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What one ``spark.read/readStream/write/writeStream.format("delayq")`` call asked for, checked."""
+
+    url: str
+    queue: str | None = None
+    topic: str | None = None
+    dead: bool = False
+    group: str | None = None
+    table_prefix: str = DEFAULT_PREFIX
+    schema: str | None = None
+    update: bool = False
+    chunk_size: int = 500
+    partitions: int | None = None
+    max_rows_per_trigger: int | None = None
+    starting_offsets: str = "earliest"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """Check every option (see the module's docstring); ``InvalidInputError`` names the bad one."""
+        given = {str(k).lower(): v for k, v in options.items()}
+        unknown = sorted(set(given) - KNOWN)
+        if unknown:
+            raise InvalidInputError(f"unknown option(s) {', '.join(unknown)} for format delayq")
+        if given.get("path"):
+            raise InvalidInputError("format delayq takes no path: use .option('queue', …) or .option('topic', …)")
+        url = given.get("url")
+        if not url:
+            raise InvalidInputError("format delayq needs the database URL: .option('url', 'postgresql+psycopg://…')")
+        check_url(url)
+        queue, topic = given.get("queue"), given.get("topic")
+        if (queue is None) == (topic is None):
+            raise InvalidInputError("format delayq needs exactly one of the options 'queue' and 'topic'")
+        if queue is not None:
+            check_queue_name(queue)
+        if topic is not None:
+            check_topic_stored(topic)
+        group = given.get("group")
+        if group is not None:
+            if topic is None:
+                raise InvalidInputError("option 'group' applies to a topic only")
+            check_group(group)
+        prefix = given.get("table_prefix") or DEFAULT_PREFIX
+        check_prefix(prefix)
+        starting = str(given.get("startingoffsets", "earliest")).lower()
+        if starting not in ("earliest", "latest", "group"):
+            raise InvalidInputError(f"option 'startingOffsets' is earliest, latest or group, got {starting!r}")
+        if starting == "group" and group is None:
+            raise InvalidInputError("startingOffsets=group needs the option 'group'")
+        dead = _bool(given, "dead")
+        if dead and queue is None:
+            raise InvalidInputError(
+                "option 'dead' applies to a queue (a topic's dead letters are the topic {topic}_dlq)"
+            )
+        return cls(
+            url=url,
+            queue=queue,
+            topic=topic,
+            dead=dead,
+            group=group,
+            table_prefix=prefix,
+            schema=given.get("schema") or None,
+            update=_bool(given, "update"),
+            chunk_size=_int(given, "chunk_size", 500) or 500,
+            partitions=_int(given, "partitions", None),
+            max_rows_per_trigger=_int(given, "maxrowspertrigger", None),
+            starting_offsets=starting,
+        )
+
+    def engine(self) -> sa.Engine:
+        """A new engine on ``url`` without a pool (each task opens what it uses, then disposes it)."""
+        return sa.create_engine(self.url, poolclass=sa.pool.NullPool)
+
+    @property
+    def what(self) -> str:
+        return f"queue {self.queue!r}" if self.queue is not None else f"topic {self.topic!r}"
+
+    def tables(self) -> Tables:
+        return make_tables(self.table_prefix, self.schema)

@@ -1,0 +1,422 @@
+"""Batch reads of the ``delayq`` data source: a queue's messages or dead letters, a topic's log.
+
+Pushed-down filters become SQL: Spark hands ``pushFilters`` the filters of a query, the reader keeps those
+it can translate (``Pushed``, plain tuples, so the reader stays picklable) and returns the others for Spark
+to evaluate. Planning runs one query with the pushed filters (row count and id bounds, or the topic's
+heads) and splits the matching rows into input partitions; each task reads its slice with the same
+filters, so only matching rows leave the database. ``DelayqReader.partitions()`` shows the plan: each
+partition carries its bounds, the filters and the number of rows it will read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from pyspark.sql import types as T
+from pyspark.sql.datasource import (
+    DataSourceReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+    StringStartsWith,
+)
+
+from delayq.clock import from_ms
+from delayq.dialects import dialect_for
+from delayq.errors import InvalidInputError, SchemaMissingError
+from delayq.spark.options import SourceOptions
+
+STATES = ("ready", "scheduled", "in_flight")
+"""A live message's state when the read was planned: due (``ready``, which includes expired locks), due
+later (``scheduled``), or held by a consumer whose lock has not expired (``in_flight``)."""
+
+MESSAGE_SCHEMA = T.StructType(
+    [
+        T.StructField("id", T.LongType(), False),
+        T.StructField("queue", T.StringType(), False),
+        T.StructField("key", T.StringType(), False),
+        T.StructField("payload", T.BinaryType(), False),
+        T.StructField("payload_type", T.StringType(), False),
+        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("state", T.StringType(), False),
+        T.StructField("scheduled_at", T.TimestampType(), False),
+        T.StructField("scheduled_at_initially", T.TimestampType(), False),
+        T.StructField("created_at", T.TimestampType(), False),
+        T.StructField("attempts", T.IntegerType(), False),
+        T.StructField("last_error", T.StringType(), True),
+    ]
+)
+DEAD_LETTER_SCHEMA = T.StructType(
+    [
+        T.StructField("id", T.LongType(), False),
+        T.StructField("queue", T.StringType(), False),
+        T.StructField("key", T.StringType(), False),
+        T.StructField("payload", T.BinaryType(), False),
+        T.StructField("payload_type", T.StringType(), False),
+        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("scheduled_at_initially", T.TimestampType(), False),
+        T.StructField("created_at", T.TimestampType(), False),
+        T.StructField("attempts", T.IntegerType(), False),
+        T.StructField("last_error", T.StringType(), True),
+        T.StructField("failed_at", T.TimestampType(), False),
+    ]
+)
+LOG_SCHEMA = T.StructType(
+    [
+        T.StructField("topic", T.StringType(), False),
+        T.StructField("partition", T.IntegerType(), False),
+        T.StructField("offset", T.LongType(), False),
+        T.StructField("partition_key", T.StringType(), False),
+        T.StructField("message_id", T.StringType(), False),
+        T.StructField("payload", T.BinaryType(), False),
+        T.StructField("payload_type", T.StringType(), False),
+        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("published_at", T.TimestampType(), False),
+    ]
+)
+
+Pushed = tuple[str, str, Any]
+"""A filter the database evaluates: (column, op, value), op one of eq, in, prefix, gt, ge, lt, le; times
+in epoch ms."""
+
+_TIMES = {"scheduled_at", "scheduled_at_initially", "created_at", "failed_at", "published_at"}
+_COLUMN = {"offset": "message_offset"}  # the DataFrame's name -> the table's
+
+
+def schema_for(opts: SourceOptions) -> T.StructType:
+    if opts.topic is not None:
+        return LOG_SCHEMA
+    return DEAD_LETTER_SCHEMA if opts.dead else MESSAGE_SCHEMA
+
+
+_NAMES = {"queue", "key", "topic", "partition_key", "message_id"}  # compared byte for byte on every backend
+_NUMBERS = {"id", "attempts", "partition", "offset"}
+
+
+def translate(f: Any, columns: set[str]) -> Pushed | None:
+    """The SQL form of a Spark ``Filter``, or None when it stays with Spark.
+
+    Only what the database evaluates exactly as Spark does is pushed: names (binary collations) by
+    equality and prefix, numbers and times by comparison, ``state``. Other text (``last_error``,
+    ``payload_type``) follows the database's collation, and ``payload_json`` is computed: Spark keeps those.
+    """
+    if len(f.attribute) != 1 or f.attribute[0] not in columns:
+        return None
+    name = f.attribute[0]
+    if name == "state" and isinstance(f, EqualTo | In):
+        values = f.value if isinstance(f, In) else (f.value,)
+        return (name, "in", [str(v) for v in values])
+    if name in _TIMES:
+        return _time_filter(f, name)
+    if name in _NAMES and isinstance(f, StringStartsWith):
+        return (name, "prefix", f.value)
+    if (name in _NAMES or name in _NUMBERS) and isinstance(f, EqualTo):
+        return (name, "eq", f.value)
+    if (name in _NAMES or name in _NUMBERS) and isinstance(f, In):
+        return (name, "in", list(f.value))
+    if name not in _NUMBERS:
+        return None
+    for kind, op in ((GreaterThan, "gt"), (GreaterThanOrEqual, "ge"), (LessThan, "lt"), (LessThanOrEqual, "le")):
+        if isinstance(f, kind):
+            return (name, op, f.value)
+    return None
+
+
+def _time_filter(f: Filter, name: str) -> Pushed | None:
+    """A time range in epoch ms, exact for the database's millisecond times (Spark's are microseconds)."""
+    value = getattr(f, "value", None)
+    if not isinstance(value, dt.datetime) or value.tzinfo is None:
+        return None
+    delta = value - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    us = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    floor, ceil = us // 1000, -(-us // 1000)
+    if isinstance(f, GreaterThan):
+        return (name, "gt", floor)  # ms * 1000 > us  <=>  ms > floor(us / 1000)
+    if isinstance(f, GreaterThanOrEqual):
+        return (name, "ge", ceil)
+    if isinstance(f, LessThan):
+        return (name, "lt", ceil)
+    if isinstance(f, LessThanOrEqual):
+        return (name, "le", floor)
+    if isinstance(f, EqualTo) and us % 1000 == 0:
+        return (name, "eq", us // 1000)
+    return None
+
+
+def _like_prefix(prefix: str) -> str:
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def condition(table: sa.Table, pushed: Pushed, now: int | None) -> sa.ColumnElement[bool]:
+    """The WHERE clause of one pushed filter (``now`` is the plan's time, for ``state``)."""
+    name, op, value = pushed
+    if name == "state":
+        assert now is not None
+        due, locked = table.c.scheduled_at <= now, table.c.lock_token.is_not(None)
+        each = {"ready": due, "scheduled": sa.and_(~due, ~locked), "in_flight": sa.and_(~due, locked)}
+        return sa.or_(sa.false(), *[each[v] for v in value if v in each])
+    col: sa.ColumnElement[Any] = table.c[_COLUMN.get(name, name)]
+    if op == "eq":
+        equal: sa.ColumnElement[bool] = col == value
+        return equal
+    if op == "in":
+        return col.in_(value) if value else sa.false()
+    if op == "prefix":  # LIKE can use an index; SQLite's LIKE ignores ASCII case, substr() is exact
+        return sa.and_(col.like(_like_prefix(value), escape="\\"), sa.func.substr(col, 1, len(value)) == value)
+    compared: dict[str, sa.ColumnElement[bool]] = {
+        "gt": col > value,
+        "ge": col >= value,
+        "lt": col < value,
+        "le": col <= value,
+    }
+    return compared[op]
+
+
+@dataclass(frozen=True)
+class QueueSlice:
+    """One input partition of a queue read: ids ``low..high`` and how many of them match the filters."""
+
+    low: int
+    high: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class LogSlice:
+    """One input partition of a topic read: per topic partition, offsets in ``(after, upto]``."""
+
+    ranges: tuple[tuple[int, int, int], ...]
+    rows: int
+
+
+class DelayqPartition(InputPartition):
+    """An input partition: the slice and what every task of the read shares."""
+
+    def __init__(self, part: QueueSlice | LogSlice, pushed: tuple[Pushed, ...], now: int | None) -> None:
+        super().__init__(part)
+        self.pushed, self.now = pushed, now
+
+
+class DelayqReader(DataSourceReader):
+    """A batch read; see the module's docstring."""
+
+    def __init__(self, opts: SourceOptions, schema: T.StructType) -> None:
+        self.opts = opts
+        self.columns = {f.name for f in schema_for(opts).fields}
+        self.pushed: list[Pushed] = []
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            sql = translate(f, self.columns)
+            if sql is None:
+                yield f
+            else:
+                self.pushed.append(sql)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        engine = self.opts.engine()
+        try:
+            with engine.connect() as conn:
+                now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
+                if self.opts.topic is not None:
+                    return self._log_partitions(conn, now)
+                return self._queue_partitions(conn, now)
+        finally:
+            engine.dispose()
+
+    def _queue_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
+        t = self._table()
+        where = [t.c.queue == self.opts.queue, *(condition(t, p, now) for p in self.pushed)]
+        low, high, rows = conn.execute(
+            sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(*where)
+        ).one()
+        if not rows:
+            return [DelayqPartition(QueueSlice(1, 0, 0), (), now)]  # nothing to read (Spark wants a partition)
+        slices = max(1, min(self.opts.partitions or 4, rows))
+        step = max(1, -(-(high - low + 1) // slices))
+        bounds = [(start, min(high, start + step - 1)) for start in range(low, high + 1, step)]
+        # Each slice's own count (a query per slice, at most ``partitions``): the plan shows what each reads.
+        per = [
+            int(conn.execute(sa.select(sa.func.count()).where(*where, t.c.id.between(lo, hi))).scalar_one())
+            for lo, hi in bounds
+        ]
+        pushed = tuple(self.pushed)
+        return [
+            DelayqPartition(QueueSlice(lo, hi, n), pushed, now) for (lo, hi), n in zip(bounds, per, strict=True) if n
+        ]
+
+    def _log_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
+        assert self.opts.topic is not None
+        heads = read_heads(conn, self.opts)
+        ranges = [(p, collected, head) for p, (head, collected) in sorted(heads.items()) if head > collected]
+        for name, op, value in self.pushed:  # a filter on the partition drops whole partitions from the plan
+            if name == "partition":
+                keep = {value} if op == "eq" else set(value) if op == "in" else None
+                if keep is not None:
+                    ranges = [r for r in ranges if r[0] in keep]
+        if not ranges:
+            return [DelayqPartition(LogSlice((), 0), (), now)]
+        slices = max(1, min(self.opts.partitions or 4, len(ranges)))
+        groups = [tuple(ranges[i::slices]) for i in range(slices)]
+        pushed = tuple(self.pushed)
+        return [DelayqPartition(LogSlice(g, sum(h - a for _, a, h in g)), pushed, now) for g in groups if g]
+
+    def _table(self) -> sa.Table:
+        tables = self.opts.tables()
+        if self.opts.topic is not None:
+            return tables.topics.log
+        return tables.dead_letters if self.opts.dead else tables.messages
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        """Tuples of a queue's rows; Arrow batches of a topic's log."""
+        assert isinstance(partition, DelayqPartition)
+        t = self._table()
+        part = partition.value
+        engine = self.opts.engine()
+        try:
+            with engine.connect() as conn:
+                filters = [condition(t, p, partition.now) for p in partition.pushed]
+                if isinstance(part, QueueSlice):
+                    query = (
+                        sa.select(t)
+                        .where(t.c.queue == self.opts.queue, t.c.id.between(part.low, part.high), *filters)
+                        .order_by(t.c.id)
+                    )
+                    convert = _dead_row if self.opts.dead else _message_row
+                    for r in conn.execution_options(yield_per=1000).execute(query).mappings():
+                        yield convert(r, partition.now)
+                    return
+                for p, after, upto in part.ranges:
+                    query = (
+                        sa.select(t)
+                        .where(
+                            t.c.topic == self.opts.topic,
+                            t.c.partition == p,
+                            t.c.message_offset > after,
+                            t.c.message_offset <= upto,
+                            *filters,
+                        )
+                        .order_by(t.c.message_offset)
+                    )
+                    rows = conn.execution_options(yield_per=ARROW_BATCH).execute(query).mappings()
+                    yield from log_batches(rows)
+        finally:
+            engine.dispose()
+
+
+def read_heads(conn: sa.Connection, opts: SourceOptions) -> dict[int, tuple[int, int]]:
+    """Each partition's committed head and collected offset; ``InvalidInputError`` for an unknown topic.
+
+    A plain read sees committed heads only, and every offset at or below a committed head is committed
+    (publishers insert the rows and move the head in one transaction, under the head row's lock): the
+    offsets up to it are complete and never change, so reading up to it never skips a late commit.
+    """
+    topics = opts.tables().topics
+    found = conn.execute(sa.select(topics.topics.c.partitions).where(topics.topics.c.topic == opts.topic)).scalar()
+    if found is None:
+        raise InvalidInputError(f"topic {opts.topic!r} does not exist: create it first (Topic.create(partitions=N))")
+    h = topics.heads
+    rows = conn.execute(sa.select(h.c.partition, h.c.head, h.c.collected).where(h.c.topic == opts.topic))
+    return {int(r.partition): (int(r.head), int(r.collected)) for r in rows}
+
+
+def check_tables(opts: SourceOptions) -> None:
+    """Fail on the driver, before any task, when delayq's tables or the topic are missing."""
+    engine = opts.engine()
+    try:
+        tables = opts.tables()
+        needed = tables.topics.log if opts.topic is not None else tables.messages
+        if not sa.inspect(engine).has_table(needed.name, schema=opts.schema):
+            raise SchemaMissingError(f"table {needed.name} is missing at {engine.url!r}: run `delayq migrate`")
+        if opts.topic is not None:
+            with engine.connect() as conn:
+                read_heads(conn, opts)
+    finally:
+        engine.dispose()
+
+
+def _json(r: Any) -> str | None:
+    return bytes(r["payload"]).decode() if r["payload_type"] == "json" else None
+
+
+def _message_row(r: Any, now: int | None) -> tuple[Any, ...]:
+    assert now is not None
+    due = r["scheduled_at"]
+    state = "ready" if due <= now else "scheduled" if r["lock_token"] is None else "in_flight"
+    return (
+        r["id"],
+        r["queue"],
+        r["key"],
+        bytes(r["payload"]),
+        r["payload_type"],
+        _json(r),
+        state,
+        from_ms(due),
+        from_ms(r["scheduled_at_initially"]),
+        from_ms(r["created_at"]),
+        r["attempts"],
+        r["last_error"],
+    )
+
+
+def _dead_row(r: Any, now: int | None) -> tuple[Any, ...]:
+    return (
+        r["id"],
+        r["queue"],
+        r["key"],
+        bytes(r["payload"]),
+        r["payload_type"],
+        _json(r),
+        from_ms(r["scheduled_at_initially"]),
+        from_ms(r["created_at"]),
+        r["attempts"],
+        r["last_error"],
+        from_ms(r["failed_at"]),
+    )
+
+
+ARROW_BATCH = 4096
+
+
+def log_batches(rows: Iterable[Any]) -> Iterator[Any]:
+    """Log rows as Arrow record batches of ``LOG_SCHEMA`` (several times faster for Spark than tuples)."""
+    import pyarrow as pa  # type: ignore[import-untyped]  # (PySpark's Python data sources need it)
+
+    names = [f.name for f in LOG_SCHEMA.fields]
+    types = [pa.string(), pa.int32(), pa.int64(), pa.string(), pa.string(), pa.binary(), pa.string(), pa.string()]
+    schema = pa.schema(
+        [
+            *(pa.field(n, t, nullable=n == "payload_json") for n, t in zip(names, types, strict=False)),
+            pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        ]
+    )
+    columns: list[list[Any]] = [[] for _ in names]
+    for r in rows:
+        payload = bytes(r["payload"])
+        values = (
+            r["topic"],
+            r["partition"],
+            r["message_offset"],
+            r["partition_key"],
+            r["message_id"],
+            payload,
+            r["payload_type"],
+            payload.decode() if r["payload_type"] == "json" else None,
+            r["published_at"] * 1000,
+        )
+        for column, value in zip(columns, values, strict=True):
+            column.append(value)
+        if len(columns[0]) >= ARROW_BATCH:
+            yield pa.RecordBatch.from_arrays(columns, schema=schema)
+            columns = [[] for _ in names]
+    if columns[0]:
+        yield pa.RecordBatch.from_arrays(columns, schema=schema)
