@@ -167,7 +167,7 @@ class CeilingPublisher:
     A batch: in one transaction, lock and read the touched head rows in partition order (concurrent
     batches cannot deadlock), one multi-row INSERT of the log rows (PostgreSQL: one array per column),
     one UPDATE of every touched head (PostgreSQL: joined to arrays; others: CASE), COMMIT. delayq sends
-    the same plus the id lookup, and updates the heads with an executemany.
+    the same plus the id lookup (PostgreSQL: joined to two arrays).
     """
 
     def __init__(self, engine: sa.Engine) -> None:

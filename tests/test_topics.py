@@ -68,6 +68,19 @@ def test_publish_is_idempotent_on_topic_key_and_id(make_topic: Callable[..., Top
     assert heads[partition_for("a", 4)] >= 2
 
 
+def test_publish_many_over_many_partitions_sets_every_head(make_topic: Callable[..., Topic], engine: sa.Engine) -> None:
+    # More partitions than one statement of the shared head update takes, and sizes between its slots.
+    topic = make_topic(700)
+    items = [(f"k{i}", f"m{i}", i) for i in range(1500)]
+    assert set(topic.publish_many(items[:1000])) == {OfferOutcome.CREATED}
+    outcomes = topic.publish_many(items[900:1500] + items[:3])
+    assert outcomes == [OfferOutcome.IGNORED] * 100 + [OfferOutcome.CREATED] * 500 + [OfferOutcome.IGNORED] * 3
+    counts: dict[int, int] = {}
+    for k, _, _ in items:
+        counts[partition_for(k, 700)] = counts.get(partition_for(k, 700), 0) + 1
+    assert {h.partition: h.head for h in topic.heads() if h.head} == counts
+
+
 def test_offsets_are_gap_free_per_partition(make_topic: Callable[..., Topic], engine: sa.Engine) -> None:
     topic = make_topic(3)
     topic.publish_many([(f"k{i % 5}", str(i), i) for i in range(30)])
@@ -497,6 +510,29 @@ def test_ack_many_and_the_operator_views(
     assert lag[1 - pa].lag == 0
     [summary] = [s for s in list_topics(engine) if s.topic == topic.name]
     assert (summary.partitions, summary.published, summary.retained) == (2, 3, 3)
+
+
+def test_ack_many_acks_each_delivery_by_its_attempt_once(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock
+) -> None:
+    topic = make_topic(3)
+    keys = keys_for(3, 3)
+    topic.publish_many([(k, f"{k}-{i}", i) for i in range(4) for k in keys])
+    sub = make_sub(visibility_timeout=SECOND)
+    sub.rebalance()
+    first = sub.poll(12)
+    assert len(first) == 12
+    clock.advance(2 * SECOND)  # all visible again: a second attempt of each
+    second = {(d.partition, d.offset): d for d in sub.poll(12)}
+    old = first[0]
+    again = second[old.partition, old.offset]
+    assert again.attempts == old.attempts + 1
+    others = [d for d in second.values() if d is not again]
+    # The first attempt is fenced out by the count, the second acked once, listed twice.
+    assert sub.ack_many([old, again, again, *others]) == [False, True, False] + [True] * len(others)
+    assert sub.ack_many([again]) == [False]
+    assert sub.poll(12) == []
+    assert set(sub.advance_watermarks().values()) == {4}
 
 
 def test_a_rebalance_releases_idle_partitions_before_busy_ones(

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
 from delayq.schema import TopicTables, make_tables
+
+S = TypeVar("S")
 
 PENDING, ACKED, DEAD = 0, 1, 2
 """A delivery's status: in flight or waiting out a nack; acked; dead-lettered."""
@@ -35,6 +39,9 @@ class TopicStatements:
     def __init__(self, dialect: Dialect, t: TopicTables, now: sa.ColumnElement[int]) -> None:
         topic, group, part = _s("topic_name"), _s("group"), _bp("part", sa.Integer)
         log, heads, dl, le, off, sub = t.log, t.heads, t.deliveries, t.leases, t.offsets, t.subscribers
+        self.tables = t
+        self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
+        self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
         self.now = sa.select(now.label("now"))
 
         # -- topics and publishing --------------------------------------------------------------
@@ -46,7 +53,7 @@ class TopicStatements:
             topic=topic, partition=part, head=0, collected=0
         )
         head_key = sa.and_(heads.c.topic == topic, heads.c.partition == part)
-        self.set_head = sa.update(heads).where(head_key).values(head=_bp("new_head"))
+        # (The heads a batch moved are set by ``Dialect.topic_set_heads``: one statement.)
         # Locked in ascending partition order (PostgreSQL locks the rows as the sort emits them; InnoDB
         # as it walks the primary key), as every publisher does: two batches cannot deadlock.
         self.lock_heads = (
@@ -55,6 +62,7 @@ class TopicStatements:
             .order_by(heads.c.partition)
             .with_for_update()
         )
+        # The shared shape of ``Dialect.topic_existing_ids`` (PostgreSQL looks the ids up otherwise).
         self.existing_ids = sa.select(log.c.partition_key, log.c.message_id).where(
             log.c.topic == topic,
             sa.tuple_(log.c.partition_key, log.c.message_id).in_(sa.bindparam("pairs", expanding=True)),
@@ -124,12 +132,14 @@ class TopicStatements:
         # Fencing: a holder's write runs after one of these found its lease (holder and epoch) and
         # locked the row, so a steal (an UPDATE of that row) waits for it, and every write after a
         # steal finds the epoch changed.
-        self.hold_exclusive = sa.select(now.label("now")).where(held).with_for_update()
+        # The exclusive fence (a poll's, a watermark advance's) also reads the group's watermark of the
+        # partition, which only the exclusive holder writes: one round trip less per partition visited.
+        off_key = sa.and_(off.c.consumer_group == group, off.c.topic == topic, off.c.partition == part)
+        mark = sa.select(off.c.acked_offset).where(off_key).scalar_subquery()
+        self.hold_exclusive = sa.select(now.label("now"), mark.label("mark")).where(held).with_for_update()
         self.hold_shared = sa.select(now.label("now")).where(held).with_for_update(read=True)
 
         # -- consuming -------------------------------------------------------------------------------
-        off_key = sa.and_(off.c.consumer_group == group, off.c.topic == topic, off.c.partition == part)
-        self.watermark = sa.select(off.c.acked_offset).where(off_key)
         self.group_offsets = (
             sa.select(off.c.partition, off.c.acked_offset)
             .where(off.c.consumer_group == group, off.c.topic == topic)
@@ -141,15 +151,14 @@ class TopicStatements:
             .order_by(le.c.partition)
         )
         self.set_watermark = sa.update(off).where(off_key).values(acked_offset=_bp("acked"), updated_at=_bp("now_v"))
-        self.with_work = (
+        # The group's watermark and the head of each partition: of the whole group (``group_progress``,
+        # for a subscriber holding many partitions), or of the partitions ``:parts`` (``with_work``).
+        self.group_progress = (
             sa.select(off.c.partition, off.c.acked_offset, heads.c.head)
             .select_from(off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)))
-            .where(
-                off.c.consumer_group == group,
-                off.c.topic == topic,
-                off.c.partition.in_(sa.bindparam("parts", expanding=True)),
-            )
+            .where(off.c.consumer_group == group, off.c.topic == topic)
         )
+        self.with_work = self.group_progress.where(dialect.any_of(off.c.partition, "parts"))
         log_part = sa.and_(log.c.topic == topic, log.c.partition == part)
         self.offsets_after = (
             sa.select(log.c.message_offset)
@@ -190,6 +199,18 @@ class TopicStatements:
             dl.c.attempts == _bp("attempt_no", sa.Integer),
         )
         self.ack = sa.update(dl).where(this).values(status=ACKED)
+        # The shared shape of ``Dialect.topic_ack``: several deliveries of a partition, each by its
+        # (offset, attempt count); MySQL/MariaDB (no UPDATE … RETURNING) and PostgreSQL ack otherwise.
+        self.ack_pairs = (
+            sa.update(dl)
+            .where(
+                dl_part,
+                dl.c.status == PENDING,
+                sa.tuple_(dl.c.message_offset, dl.c.attempts).in_(sa.bindparam("pairs", expanding=True)),
+            )
+            .values(status=ACKED)
+            .returning(dl.c.message_offset, dl.c.attempts)
+        )
         self.nack = sa.update(dl).where(this).values(invisible_until=_bp("until"), last_error=_bp("error", sa.Text))
         self.extend = (
             sa.update(dl).where(this).values(invisible_until=dialect.greatest(dl.c.invisible_until, _bp("until")))
@@ -236,6 +257,29 @@ class TopicStatements:
             .with_for_update()
         )
         self.remove = sa.delete(log).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
+
+    # The operations whose shape differs per backend (``Dialect.topic_*``).
+    def existing_ids_of(self, conn: Connection, topic: str, pairs: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        """See ``Dialect.topic_existing_ids``."""
+        return self.kind.topic_existing_ids(conn, self, topic, pairs)
+
+    def set_heads(self, conn: Connection, topic: str, heads: Mapping[int, int]) -> None:
+        """See ``Dialect.topic_set_heads``."""
+        self.kind.topic_set_heads(conn, self, topic, heads)
+
+    def ack_each(
+        self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
+    ) -> set[tuple[int, int]]:
+        """See ``Dialect.topic_ack``."""
+        return self.kind.topic_ack(conn, self, key, pairs)
+
+    def memo(self, build: Callable[..., S], *args: Any) -> S:
+        """``build(self, *args)``, made once: a statement of one backend's own over these tables
+        (``args``: a batch size, say)."""
+        found = self._memo.get((build, args))
+        if found is None:
+            found = self._memo[build, args] = build(self, *args)
+        return cast(S, found)
 
 
 _cache: weakref.WeakKeyDictionary[Dialect, dict[tuple[str, str | None, bool], TopicStatements]] = (

@@ -273,7 +273,7 @@ class Subscription:
                 row = conn.execute(stmts.hold_exclusive, self._fence(key, e)).first()
                 if row is None:
                     return None
-                advanced, _, _ = self._scan(conn, stmts, key, int(row.now))
+                advanced, _, _ = self._scan(conn, stmts, key, int(row.now), int(row.mark))
                 return advanced
 
             found = self.ctx.runner.run(using, op, "transaction")
@@ -302,25 +302,26 @@ class Subscription:
         return bool(self._fenced(delivery, op, using))
 
     def ack_many(self, deliveries: list[TopicDelivery], *, using: Using = None) -> list[bool]:
-        """Ack several deliveries: one transaction per partition (its lease locked once); a result per delivery."""
-        results = [False] * len(deliveries)
-        by_lease: dict[tuple[int, int], list[int]] = {}
+        """Ack several deliveries in one transaction: per partition, in ascending order, its lease locked
+        (shared) and one UPDATE of its deliveries, each by its offset and attempt count. A result per
+        delivery (one whose lease was lost is False; one listed twice is acked by its first entry)."""
+        by_lease: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         for i, d in enumerate(deliveries):
-            by_lease.setdefault((d.partition, d.epoch), []).append(i)
-        for (partition, epoch), indexes in sorted(by_lease.items()):
+            by_lease.setdefault((d.partition, d.epoch), {}).setdefault((d.offset, d.attempts), i)
+        if not by_lease:
+            return []
 
-            def op(
-                conn: Connection, dialect: Dialect, p: int = partition, e: int = epoch, ix: list[int] = indexes
-            ) -> None:
-                stmts = self.ctx.stmts(dialect)
-                key = self._key(p)
-                if conn.execute(stmts.hold_shared, self._fence(key, e)).first() is None:
-                    return
-                for i in ix:
-                    results[i] = conn.execute(stmts.ack, self._this(key, deliveries[i])).rowcount == 1
+        def op(conn: Connection, dialect: Dialect) -> set[int]:
+            stmts = self.ctx.stmts(dialect)
+            acked: set[int] = set()
+            for (partition, epoch), firsts in sorted(by_lease.items()):
+                key = self._key(partition)
+                if conn.execute(stmts.hold_shared, self._fence(key, epoch)).first() is not None:
+                    acked.update(firsts[pair] for pair in stmts.ack_each(conn, key, list(firsts)))
+            return acked
 
-            self.ctx.runner.run(using, op, "transaction")
-        return results
+        acked = self.ctx.runner.run(using, op, "transaction")
+        return [i in acked for i in range(len(deliveries))]
 
     def nack(
         self,
@@ -393,14 +394,21 @@ class Subscription:
             self._held = {p: e for p, e in self._held.items() if p != partition}
 
     def _progress(self, using: Using) -> dict[int, tuple[int, int]]:
-        """Each partition held: (the group's watermark, the partition's head). One read."""
-        if not self._held:
+        """Each partition held: (the group's watermark, the partition's head). One read: of the group's
+        partitions when this subscriber holds more than half of them (no list of partitions to bind),
+        else of those it holds."""
+        held = self._held
+        if not held:
             return {}
 
         def op(conn: Connection, dialect: Dialect) -> dict[int, tuple[int, int]]:
-            params = {"group": self.group, "topic_name": self.topic, "parts": sorted(self._held)}
-            rows = conn.execute(self.ctx.stmts(dialect).with_work, params)
-            return {int(r.partition): (int(r.acked_offset), int(r.head)) for r in rows}
+            stmts = self.ctx.stmts(dialect)
+            group = {"group": self.group, "topic_name": self.topic}
+            if self._partitions is not None and 2 * len(held) > self._partitions:
+                rows = conn.execute(stmts.group_progress, group)
+            else:
+                rows = conn.execute(stmts.with_work, {**group, "parts": sorted(held)})
+            return {int(r.partition): (int(r.acked_offset), int(r.head)) for r in rows if r.partition in held}
 
         return self.ctx.runner.run(using, op, "read")
 
@@ -446,11 +454,10 @@ class Subscription:
         return bury(conn, stmts, self.ctx.now_param(), key, message, attempts, error)
 
     def _scan(
-        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int, mark: int
     ) -> tuple[int, list[int], dict[int, Any]]:
-        """Advance the partition's watermark past its contiguous done messages; return it, the offsets
-        scanned above it and their delivery states."""
-        mark = int(conn.execute(stmts.watermark, key).scalar_one())
+        """Advance the partition's watermark (``mark``, as the exclusive fence read it) past its contiguous
+        done messages; return it, the offsets scanned above it and their delivery states."""
         offsets = [
             int(o)
             for o in conn.execute(stmts.offsets_after, {**key, "after": mark, "limit": self.scan_limit}).scalars()
@@ -481,7 +488,7 @@ class Subscription:
         if held is None:
             return None
         now = int(held.now)
-        _, offsets, states = self._scan(conn, stmts, key, now)
+        _, offsets, states = self._scan(conn, stmts, key, now, int(held.mark))
         fresh: list[int] = []
         again: dict[int, int] = {}
         doomed: dict[int, tuple[int, str | None]] = {}

@@ -318,10 +318,7 @@ def append_offsets(
         )
     heads = {int(r.partition): int(r.head) for r in locked}
     now = int(locked[0].now)
-    pairs = list({(k, mid) for _, k, mid, _ in items})
-    existing = {
-        (r.partition_key, r.message_id) for r in conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": pairs})
-    }
+    existing = stmts.existing_ids_of(conn, topic, list({(k, mid) for _, k, mid, _ in items}))
     created: list[int | None] = []
     rows: list[dict[str, Any]] = []
     for i, (partition, k, mid, payload) in enumerate(items):
@@ -346,6 +343,5 @@ def append_offsets(
         created.append(heads[partition])
     if rows:
         conn.execute(stmts.insert_log, rows)
-        moved = sorted({r["partition"] for r in rows})
-        conn.execute(stmts.set_head, [{"topic_name": topic, "part": p, "new_head": heads[p]} for p in moved])
+        stmts.set_heads(conn, topic, {p: heads[p] for p in {r["partition"] for r in rows}})
     return created
