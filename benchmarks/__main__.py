@@ -4,6 +4,7 @@
     python -m benchmarks --quick               # small sizes, one run (CI runs this)
     python -m benchmarks --backends postgresql --json results.json
     python -m benchmarks --only topics         # topics (benchmarks/topics.py)
+    python -m benchmarks --only "^offer|drain" # names that start with "offer" or contain "drain"
 
 Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local services by default);
 SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
@@ -405,6 +406,12 @@ def median_figure(backend: str, scenario: str, runs: list[tuple[float, float | N
     )
 
 
+def selected(scenario: str, only: str) -> bool:
+    """Whether ``--only`` picks ``scenario``: its name contains one of the ``|``-separated texts (or
+    starts with one written ``^text``)."""
+    return any(scenario.startswith(t[1:]) if t.startswith("^") else t in scenario for t in only.split("|"))
+
+
 def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list[Figure]:
     engine = make_engine(backend, tmp)
     migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=PREFIX)
@@ -412,7 +419,7 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
     figures: list[Figure] = []
 
     def measure(scenario: str, fn: Callable[[], tuple[float, float | None, list[float]]]) -> None:
-        if only not in scenario:
+        if not selected(scenario, only):
             return
         figure = median_figure(backend, scenario, [fn() for _ in range(sizes.repeat)])
         figures.append(figure)
@@ -461,7 +468,7 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
     }
-    wanted = any(only in scenario for scenario in scale_figures)
+    wanted = any(selected(scenario, only) for scenario in scale_figures)
     runs = [scale(engine, q, sizes) for _ in range(sizes.repeat)] if wanted else []
     for scenario, (i_empty, i_full) in scale_figures.items() if runs else ():
         empty = statistics.median(r[i_empty] for r in runs)
@@ -490,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, one run (what CI runs)")
     parser.add_argument("--repeat", type=int, help="runs per figure (the median is reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--only", default="", help="run the scenarios whose name contains this text")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run the scenarios whose name contains this text (several: separated by |; ^text: starts with it)",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.repeat:

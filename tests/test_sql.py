@@ -107,7 +107,7 @@ EXPECTED = {
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
-            "(__[POSTCOMPILE_ids])"
+            "(SELECT anon_1.value FROM json_each(?) AS anon_1)"
         ),
     },
 }

@@ -426,24 +426,13 @@ class Dialect:
         if not rows:
             return []
         locked_until = rows[0].now + visibility_ms
-        conn.execute(
-            stmts.mark_claimed,
-            {"ids": [r.id for r in rows], "token": params["token"], "locked_until": locked_until},
-        )
+        token = params["token"]
+        conn.execute(stmts.mark_claimed, {"ids": [r[0] for r in rows], "token": token, "locked_until": locked_until})
+        # Unpacked by position (the columns of ``candidate_rows``): a Row's attribute lookup costs
+        # more than the rest of the row's handling.
         return [
-            ClaimedRow(
-                r.id,
-                r.key,
-                r.payload,
-                r.payload_type,
-                r.scheduled_at,
-                locked_until,
-                r.attempts + 1,
-                r.created_at,
-                r.scheduled_at_initially,
-                params["token"],
-            )
-            for r in rows
+            ClaimedRow(msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token)
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, _ in rows
         ]
 
     def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:

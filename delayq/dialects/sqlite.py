@@ -1,11 +1,14 @@
 """SQLite, the embedded default: one writer at a time, so the claim needs no SKIP LOCKED.
 
-Every library-owned write transaction starts with ``BEGIN IMMEDIATE``: a deferred transaction
-that reads and then writes fails with "database is locked" at once, whatever the busy timeout.
+Every library-owned transaction of several statements starts with ``BEGIN IMMEDIATE``: a deferred
+transaction that reads and then writes fails with "database is locked" at once, whatever the busy
+timeout. One write statement takes the write lock as it starts, waiting for it as long as the busy
+timeout allows, so it needs no ``BEGIN IMMEDIATE``.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -20,6 +23,16 @@ from delayq.errors import UnsupportedDatabaseError
 _BUSY, _LOCKED = 5, 6
 _CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY = 2067, 1555
 _UNIX_EPOCH_JULIAN_DAY = 2440587.5
+
+
+class IdList(sa.types.TypeDecorator[list[int]]):
+    """A list of ids bound as one JSON array text (for ``json_each``)."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value: list[int] | None, dialect: sa.Dialect) -> str | None:
+        return None if value is None else json.dumps(value)
 
 
 def _errorcode(exc: DBAPIError) -> int:
@@ -43,6 +56,15 @@ class SQLiteDialect(Dialect):
             raise UnsupportedDatabaseError(
                 f"SQLite {sqlite3.sqlite_version} is too old; delayq needs SQLite 3.35 or newer (RETURNING)"
             )
+        probe = sqlite3.connect(":memory:")  # JSON: built in since 3.38, a build option before (see ``id_in``)
+        try:
+            probe.execute("SELECT value FROM json_each('[1]')")
+        except sqlite3.OperationalError:
+            raise UnsupportedDatabaseError(
+                f"this SQLite {sqlite3.sqlite_version} was built without its JSON functions, which delayq needs"
+            ) from None
+        finally:
+            probe.close()
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # julianday('now') is fixed for one statement and has millisecond precision.
@@ -50,8 +72,13 @@ class SQLiteDialect(Dialect):
         return sa.cast(sa.func.round(days * 86_400_000.0), sa.BigInteger)
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
-        # A read opens no transaction (sqlite3 begins one before data changes only).
-        return OwnedStart(sql=("BEGIN IMMEDIATE",)) if mode != "read" else OwnedStart(commit=False)
+        # A read opens no transaction (sqlite3 begins one before data changes only). One write
+        # statement ("statement", "scan") is the first of its transaction: it takes the write lock
+        # as it starts (with the busy timeout), so sqlite3's implicit deferred BEGIN is enough and
+        # saves a statement. Several statements may read before they write: BEGIN IMMEDIATE.
+        if mode == "read":
+            return OwnedStart(commit=False)
+        return OwnedStart() if mode in ("statement", "scan") else OwnedStart(sql=("BEGIN IMMEDIATE",))
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return dbapi_connection.isolation_level is None
@@ -64,6 +91,12 @@ class SQLiteDialect(Dialect):
 
     def is_duplicate_key(self, exc: DBAPIError) -> bool:
         return _errorcode(exc) in (_CONSTRAINT_UNIQUE, _CONSTRAINT_PRIMARYKEY)
+
+    def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
+        # One text parameter, a JSON array read by json_each: SQLAlchemy renders no placeholder per
+        # id at each execution (an expanding IN cost 40 µs for 3 ids and 140 µs for 100 here).
+        ids = sa.func.json_each(sa.bindparam("ids", type_=IdList)).table_valued("value")
+        return column.in_(sa.select(ids.c.value))
 
     def greatest(self, a: sa.ColumnElement[int], b: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
         # SQLite's max() with two arguments is the scalar GREATEST.
