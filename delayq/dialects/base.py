@@ -170,36 +170,11 @@ class Statements:
         self.extend_ids = sa.update(m).where(dialect.id_in(m.c.id)).values(scheduled_at=extended)
         self.expiry_of = sa.select(m.c.id, m.c.scheduled_at).where(dialect.id_in(m.c.id))
         self.delete_ids = sa.delete(m).where(dialect.id_in(m.c.id))
-        self.select_held = (
-            sa.select(
-                m.c.queue,
-                m.c.key,
-                m.c.payload,
-                m.c.payload_type,
-                m.c.scheduled_at_initially,
-                m.c.created_at,
-                m.c.attempts,
-                now.label("now"),
-            )
-            .where(held)
-            .with_for_update()
-        )
         # Every column but the id, each bound by its own name: the statement compiles once.
         self.insert_dead = sa.insert(dead).values(
             {c.name: sa.bindparam(c.name, type_=c.type) for c in dead.c if c is not dead.c.id}
         )
         self.delete_held = sa.delete(m).where(held)
-        self.get = sa.select(
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at,
-            m.c.scheduled_at_initially,
-            m.c.created_at,
-            m.c.attempts,
-            m.c.last_error,
-            m.c.lock_token,
-        ).where(by_key)
         self.cancel = sa.delete(m).where(by_key)
         self.reschedule = (
             sa.update(m).where(by_key).values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
@@ -223,31 +198,7 @@ class Statements:
         self.next_due = sa.select(sa.func.min(m.c.scheduled_at).label("next_due"), now.label("now")).where(
             m.c.queue == queue
         )
-        dead_cols = (
-            dead.c.id,
-            dead.c.key,
-            dead.c.payload,
-            dead.c.payload_type,
-            dead.c.scheduled_at_initially,
-            dead.c.created_at,
-            dead.c.attempts,
-            dead.c.last_error,
-            dead.c.failed_at,
-        )
-        self.dead_latest = (
-            sa.select(*dead_cols)
-            .where(dead.c.queue == queue, dead.c.key == key)
-            .order_by(dead.c.id.desc())
-            .limit(1)
-            .with_for_update()
-        )
         self.dead_delete = sa.delete(dead).where(dead.c.id == _bp("dead_id"))
-        self.dead_letters = (
-            sa.select(*dead_cols)
-            .where(dead.c.queue == queue, dead.c.id > _bp("after_id"))
-            .order_by(dead.c.id)
-            .limit(_bp("limit", sa.Integer))
-        )
 
     def starts_with(self, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
         """See ``Dialect.starts_with``."""
