@@ -17,9 +17,9 @@ from delayq.schema import make_tables
 
 SA_DIALECTS = {"postgresql": postgresql.dialect(), "mysql": mysql.dialect(), "sqlite": sqlite.dialect()}
 NOW = {
-    "postgresql": "CAST(floor(EXTRACT(epoch FROM statement_timestamp()) * %(param_1)s::INTEGER) AS BIGINT)",
+    "postgresql": "CAST(floor(EXTRACT(epoch FROM statement_timestamp()) * 1000) AS BIGINT)",
     "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
-    "sqlite": "CAST(round((julianday(?) - ?) * ?) AS BIGINT)",
+    "sqlite": "CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS BIGINT)",
 }
 
 
@@ -45,7 +45,7 @@ EXPECTED = {
             "scheduled_at_initially, created_at, attempts) VALUES (%(queue_name)s::VARCHAR, "
             "%(msg_key)s::VARCHAR, %(payload)s, %(payload_type)s::VARCHAR, coalesce(%(due_at)s::BIGINT, <now>"
             " + %(due_in)s::BIGINT), coalesce(%(due_at)s::BIGINT, <now> + %(due_in)s::BIGINT), <now>, "
-            "%(param_2)s::INTEGER) ON CONFLICT (queue, key) DO NOTHING RETURNING delayq_messages.id, "
+            "%(param_1)s::INTEGER) ON CONFLICT (queue, key) DO NOTHING RETURNING delayq_messages.id, "
             "delayq_messages.queue) SELECT offered.id, pg_notify(%(pg_notify_2)s, offered.queue) AS "
             "pg_notify_1 FROM offered"
         ),
