@@ -8,8 +8,8 @@ Per backend, with N rows, Spark ``local[2]`` and chunks of 500:
 - offers: ``offer_dataframe``, ``df.write.format("delayq")`` (option ``queue``), ``offer_many`` from one
   process, and the raw multi-row insert (``benchmarks.ceiling.offer_batch``) of the same rows;
 - publishes: ``df.write.format("delayq")`` (option ``topic``, 16 partitions) beside the raw batch publish
-  (lock the touched heads, one multi-row INSERT of the log rows, one UPDATE of the heads, COMMIT) from one
-  process;
+  (``benchmarks.topics.CeilingPublisher.many``: lock the touched heads, one multi-row INSERT of the log rows,
+  one UPDATE of the heads, COMMIT) from one process;
 - reads of that topic's log: the streaming read (``readStream.format("delayq")``, ``Trigger.AvailableNow``,
   into a ``foreachBatch`` sink that aggregates per partition), the data source's batch read of the same rows,
   and the plain parallel SQL read: 2 Python processes (as many as Spark's cores), each with its own DBAPI
@@ -41,13 +41,12 @@ from pyspark.sql import functions as F
 import delayq.spark
 from benchmarks import ceiling
 from benchmarks.__main__ import PAYLOAD, make_engine
+from benchmarks.topics import TOPIC, CeilingPublisher
 from delayq import DelayedQueue, Topic, migrations
 from delayq.spark import offer_dataframe
-from delayq.topics import partition_for
 
 PREFIX = "sparkb_"
 TABLE = f"{PREFIX}messages"
-TOPIC = "bench"
 PARTITIONS = 16
 READERS = 2  # the plain SQL read: processes, as many as local[2]'s cores
 TOPIC_TABLES = [
@@ -139,55 +138,6 @@ def timed_rate(n: int, fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 # -- the ceilings -----------------------------------------------------------------------------------
-def raw_publish_batch(raw: Any, name: str, items: list[tuple[str, str, bytes]]) -> None:
-    """A hand-written batch publish (as benchmarks.topics' CeilingPublisher.many): in one transaction, lock
-    the touched head rows in partition order, one multi-row INSERT of the log rows (PostgreSQL: one array per
-    column), one UPDATE of the heads, COMMIT."""
-    p, cur = _p(name), raw.cursor()
-    parts = sorted({partition_for(k, PARTITIONS) for k, _, _ in items})
-    marks = ", ".join(["%s"] * len(parts))
-    if name == "postgresql":
-        cur.execute("BEGIN")
-    cur.execute(
-        f"SELECT {p}, head, {ceiling.NOW_MS[name]} FROM {PREFIX}topic_heads WHERE topic = %s AND {p} IN ({marks})"
-        f" ORDER BY {p} FOR UPDATE",
-        (TOPIC, *parts),
-    )
-    locked = cur.fetchall()
-    hs = {int(r[0]): int(r[1]) for r in locked}
-    now = int(locked[0][2])
-    rows = []
-    for k, mid, payload in items:
-        part = partition_for(k, PARTITIONS)
-        hs[part] += 1
-        rows.append((part, hs[part], k, mid, payload))
-    cols = f"topic, {p}, message_offset, partition_key, message_id, payload, payload_type, published_at"
-    if name == "postgresql":
-        cur.execute(
-            f"INSERT INTO {PREFIX}topic_log ({cols}) SELECT %s, v.p, v.o, v.k, v.m, v.b, 'json', %s FROM"
-            " unnest(%s::int[], %s::bigint[], %s::varchar[], %s::varchar[], %s::bytea[]) AS v(p, o, k, m, b)",
-            (TOPIC, now, *(list(c) for c in zip(*rows, strict=True))),
-        )
-        cur.execute(
-            f"UPDATE {PREFIX}topic_heads SET head = v.h FROM unnest(%s::int[], %s::bigint[]) AS v(p, h)"
-            f" WHERE {PREFIX}topic_heads.topic = %s AND {PREFIX}topic_heads.{p} = v.p",
-            (list(hs), list(hs.values()), TOPIC),
-        )
-        cur.execute("COMMIT")
-        return
-    values = ", ".join(["(%s, %s, %s, %s, %s, %s, 'json', %s)"] * len(rows))
-    cur.execute(
-        f"INSERT INTO {PREFIX}topic_log ({cols}) VALUES {values}",
-        [v for part, o, k, mid, b in rows for v in (TOPIC, part, o, k, mid, b, now)],
-    )
-    case = " ".join(["WHEN %s THEN %s"] * len(hs))
-    cur.execute(
-        f"UPDATE {PREFIX}topic_heads SET head = CASE {p} {case} END WHERE topic = %s AND {p} IN ({marks})",
-        (*(v for item in hs.items() for v in item), TOPIC, *hs),
-    )
-    raw.commit()
-
-
 def _read_partitions(args: tuple[str, list[int]]) -> Stats:
     """In a process of its own: a plain SELECT of every column per partition, over a raw DBAPI connection."""
     backend, parts = args
@@ -314,14 +264,14 @@ def run(spark: SparkSession, backend: str, n: int, chunk: int, offers: DataFrame
 
     # publishes
     reset_topic(engine)
-    raw = ceiling.connect(engine, autocommit=name == "postgresql")
+    publisher = CeilingPublisher(engine, PREFIX, PARTITIONS)
 
     def raw_publishes() -> None:
         for b in range(0, n, chunk):
-            raw_publish_batch(raw, name, [(f"k{i:09d}", f"m{i:09d}", PAYLOAD) for i in range(b, min(n, b + chunk))])
+            publisher.many([(f"k{i:09d}", f"m{i:09d}", PAYLOAD) for i in range(b, min(n, b + chunk))])
 
     out["raw publishes"], _ = timed_rate(n, raw_publishes)
-    raw.close()
+    publisher.close()
     check_log(engine, n, "raw batch publish")
 
     reset_topic(engine)

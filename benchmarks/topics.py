@@ -170,8 +170,9 @@ class CeilingPublisher:
     the same plus the id lookup (PostgreSQL: joined to two arrays).
     """
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, prefix: str = PREFIX, partitions: int = PARTITIONS) -> None:
         self.name = name = engine.dialect.name
+        self.head_table, self.log_table, self.partitions = f"{prefix}topic_heads", f"{prefix}topic_log", partitions
         self.raw = ceiling.connect(engine, autocommit=name == "postgresql")
         self.ph = "?" if name == "sqlite" else "%s"
         self.p, self.now = _q(engine), ceiling.NOW_MS[name]
@@ -189,34 +190,34 @@ class CeilingPublisher:
         self.raw.commit() if self.name == "mysql" else cur.execute("COMMIT")
 
     def one(self, key: str, mid: str, payload: bytes) -> None:
-        part = partition_for(key, PARTITIONS)
+        part = partition_for(key, self.partitions)
         ph, p, cur = self.ph, self.p, self.raw.cursor()
         cols = f"topic, {p}, message_offset, partition_key, message_id, payload, payload_type, published_at"
         if self.name == "postgresql":
             cur.execute(
-                f"WITH h AS (UPDATE {PREFIX}topic_heads SET head = head + 1 WHERE topic = %s AND {p} = %s"
-                f" RETURNING head) INSERT INTO {PREFIX}topic_log ({cols})"
+                f"WITH h AS (UPDATE {self.head_table} SET head = head + 1 WHERE topic = %s AND {p} = %s"
+                f" RETURNING head) INSERT INTO {self.log_table} ({cols})"
                 f" SELECT %s, %s, h.head, %s, %s, %s, 'json', {self.now} FROM h",
                 (TOPIC, part, TOPIC, part, key, mid, payload),
             )
             return
         self._begin(cur)
-        cur.execute(f"UPDATE {PREFIX}topic_heads SET head = head + 1 WHERE topic = {ph} AND {p} = {ph}", (TOPIC, part))
+        cur.execute(f"UPDATE {self.head_table} SET head = head + 1 WHERE topic = {ph} AND {p} = {ph}", (TOPIC, part))
         cur.execute(
-            f"INSERT INTO {PREFIX}topic_log ({cols}) SELECT topic, {p}, head, {ph}, {ph}, {ph}, 'json', {self.now}"
-            f" FROM {PREFIX}topic_heads WHERE topic = {ph} AND {p} = {ph}",
+            f"INSERT INTO {self.log_table} ({cols}) SELECT topic, {p}, head, {ph}, {ph}, {ph}, 'json', {self.now}"
+            f" FROM {self.head_table} WHERE topic = {ph} AND {p} = {ph}",
             (key, mid, payload, TOPIC, part),
         )
         self._commit(cur)
 
     def many(self, items: list[tuple[str, str, bytes]]) -> None:
         ph, p, cur = self.ph, self.p, self.raw.cursor()
-        parts = sorted({partition_for(k, PARTITIONS) for k, _, _ in items})
+        parts = sorted({partition_for(k, self.partitions) for k, _, _ in items})
         marks = ", ".join([ph] * len(parts))
         lock = " FOR UPDATE" if self.name != "sqlite" else ""
         self._begin(cur)
         cur.execute(
-            f"SELECT {p}, head, {self.now} FROM {PREFIX}topic_heads WHERE topic = {ph} AND {p} IN ({marks})"
+            f"SELECT {p}, head, {self.now} FROM {self.head_table} WHERE topic = {ph} AND {p} IN ({marks})"
             f" ORDER BY {p}{lock}",
             (TOPIC, *parts),
         )
@@ -225,30 +226,30 @@ class CeilingPublisher:
         now = int(locked[0][2])
         rows = []
         for k, mid, payload in items:
-            part = partition_for(k, PARTITIONS)
+            part = partition_for(k, self.partitions)
             heads[part] += 1
             rows.append((part, heads[part], k, mid, payload))
         cols = f"topic, {p}, message_offset, partition_key, message_id, payload, payload_type, published_at"
         if self.name == "postgresql":
             cur.execute(
-                f"INSERT INTO {PREFIX}topic_log ({cols}) SELECT %s, v.p, v.o, v.k, v.m, v.b, 'json', %s FROM"
+                f"INSERT INTO {self.log_table} ({cols}) SELECT %s, v.p, v.o, v.k, v.m, v.b, 'json', %s FROM"
                 " unnest(%s::int[], %s::bigint[], %s::varchar[], %s::varchar[], %s::bytea[]) AS v(p, o, k, m, b)",
                 (TOPIC, now, *(list(c) for c in zip(*rows, strict=True))),
             )
             cur.execute(
-                f"UPDATE {PREFIX}topic_heads SET head = v.h FROM unnest(%s::int[], %s::bigint[]) AS v(p, h)"
-                f" WHERE {PREFIX}topic_heads.topic = %s AND {PREFIX}topic_heads.{p} = v.p",
+                f"UPDATE {self.head_table} SET head = v.h FROM unnest(%s::int[], %s::bigint[]) AS v(p, h)"
+                f" WHERE {self.head_table}.topic = %s AND {self.head_table}.{p} = v.p",
                 (list(heads), list(heads.values()), TOPIC),
             )
         else:
             values = ", ".join([f"({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, 'json', {ph})"] * len(rows))
             cur.execute(
-                f"INSERT INTO {PREFIX}topic_log ({cols}) VALUES {values}",
+                f"INSERT INTO {self.log_table} ({cols}) VALUES {values}",
                 [v for part, o, k, mid, b in rows for v in (TOPIC, part, o, k, mid, b, now)],
             )
             case = " ".join([f"WHEN {ph} THEN {ph}"] * len(heads))
             cur.execute(
-                f"UPDATE {PREFIX}topic_heads SET head = CASE {p} {case} END WHERE topic = {ph} AND {p} IN ({marks})",
+                f"UPDATE {self.head_table} SET head = CASE {p} {case} END WHERE topic = {ph} AND {p} IN ({marks})",
                 (*(v for item in heads.items() for v in item), TOPIC, *heads),
             )
         self._commit(cur)

@@ -27,9 +27,9 @@ import delayq.spark
 from delayq import DelayedQueue, Topic
 from delayq.schema import make_tables
 from delayq.spark.options import SourceOptions
-from delayq.spark.read import DelayqReader, QueueSlice
+from delayq.spark.read import MESSAGE_SCHEMA, DelayqReader, QueueSlice
 from delayq.spark.source import DelayqDataSource
-from delayq.spark.stream import TopicStreamReader, plan_limit
+from delayq.spark.stream import CollectedError, TopicStreamReader, plan_limit
 from delayq.topics import partition_for
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
@@ -176,8 +176,6 @@ def test_filters_are_pushed_down_and_only_matching_rows_are_read(
 
 
 def make_schema_placeholder() -> Any:
-    from delayq.spark.read import MESSAGE_SCHEMA
-
     return MESSAGE_SCHEMA
 
 
@@ -353,6 +351,44 @@ def test_a_micro_batch_ends_at_the_committed_heads_so_a_late_commit_is_read_late
     assert [m for batch in reader.read(part) for m in batch.column("message_id").to_pylist()] == ["late"]
     assert reader.latestOffset(second, ReadMaxRows(5)) == second
     reader.stop()
+
+
+@pytest.mark.parametrize("missing", [(1, 2), (5,), (10,)], ids=["oldest", "inside-a-chunk", "newest"])
+def test_a_gap_in_the_log_fails_the_stream_read_wherever_it_falls(
+    backend: Backend, topic_name: str, missing: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows collected before a query without a group read them fail its batch (``CollectedError``, naming
+    the first missing offset) rather than being skipped: at the start of a fetched chunk, inside one, or at
+    the end of the range. The reader driven directly, fetching chunks of 3 rows."""
+    monkeypatch.setattr("delayq.spark.read.ARROW_BATCH", 3)
+    topic = Topic(backend.engine, topic_name)
+    topic.create(partitions=1)
+    topic.publish_many([(f"k{i}", f"m{i}", {"n": i}) for i in range(10)])
+    reader = TopicStreamReader(SourceOptions.parse({"url": backend.url, "topic": topic_name}))
+    (part,) = reader.partitions({"0": 0}, {"0": 10})
+    batches = list(reader.read(part))
+    assert [b.num_rows for b in batches] == [3, 3, 3, 1]
+    assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(1, 11))
+    log = make_tables().topics.log
+    with backend.engine.begin() as conn:
+        conn.execute(sa.delete(log).where(log.c.topic == topic_name, log.c.message_offset.in_(missing)))
+    with pytest.raises(CollectedError, match=f"offsets {missing[0]}..10 of partition 0 "):
+        list(reader.read(part))
+    reader.stop()
+
+
+def test_a_time_no_datetime_can_hold_reads_as_the_earliest_or_latest(backend: Backend, queue_name: str) -> None:
+    """(As ``delayq.clock.from_ms``: a time written by hand fails no read.) The reader driven directly."""
+    DelayedQueue(backend.engine, queue_name).offer("far", {"n": 1}, at=dt.timedelta(hours=1))
+    m = make_tables().messages
+    with backend.engine.begin() as conn:
+        conn.execute(sa.update(m).where(m.c.queue == queue_name).values(scheduled_at=10**16, created_at=-(10**16)))
+    reader = DelayqReader(SourceOptions.parse({"url": backend.url, "queue": queue_name}), MESSAGE_SCHEMA)
+    (part,) = reader.partitions()
+    (row,) = [r for batch in reader.read(part) for r in batch.to_pylist()]
+    assert row["scheduled_at"] == dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+    assert row["created_at"] == dt.datetime.min.replace(tzinfo=dt.UTC)
+    assert (row["key"], row["state"], row["payload_json"]) == ("far", "scheduled", '{"n":1}')
 
 
 def test_a_read_limit_is_shared_between_the_partitions() -> None:

@@ -10,6 +10,7 @@ partition carries its bounds, the filters and the number of rows it will read.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from pyspark.sql.datasource import (
     StringStartsWith,
 )
 
-from delayq.clock import from_ms
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.spark.options import SourceOptions
@@ -277,38 +277,29 @@ class DelayqReader(DataSourceReader):
         return tables.dead_letters if self.opts.dead else tables.messages
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        """Tuples of a queue's rows; Arrow batches of a topic's log."""
+        """Arrow record batches of the slice's rows."""
         assert isinstance(partition, DelayqPartition)
         t = self._table()
         part = partition.value
+        schema = schema_for(self.opts)
         engine = self.opts.engine()
         try:
             with engine.connect() as conn:
                 filters = [condition(t, p, partition.now) for p in partition.pushed]
                 if isinstance(part, QueueSlice):
                     query = (
-                        sa.select(t)
+                        sa.select(*stored_columns(t, schema))
                         .where(t.c.queue == self.opts.queue, t.c.id.between(part.low, part.high), *filters)
                         .order_by(t.c.id)
                     )
-                    convert = _dead_row if self.opts.dead else _message_row
-                    for r in conn.execution_options(yield_per=1000).execute(query).mappings():
-                        yield convert(r, partition.now)
+                    with fetch(conn, query) as chunks:
+                        yield from arrow_batches(chunks, schema, partition.now)
                     return
+                assert self.opts.topic is not None
                 for p, after, upto in part.ranges:
-                    query = (
-                        sa.select(t)
-                        .where(
-                            t.c.topic == self.opts.topic,
-                            t.c.partition == p,
-                            t.c.message_offset > after,
-                            t.c.message_offset <= upto,
-                            *filters,
-                        )
-                        .order_by(t.c.message_offset)
-                    )
-                    rows = conn.execution_options(yield_per=ARROW_BATCH).execute(query).mappings()
-                    yield from log_batches(rows)
+                    query = log_query(t, self.opts.topic, p, after, upto).where(*filters)
+                    with fetch(conn, query) as chunks:
+                        yield from arrow_batches(chunks, schema)
         finally:
             engine.dispose()
 
@@ -344,79 +335,85 @@ def check_tables(opts: SourceOptions) -> None:
         engine.dispose()
 
 
-def _json(r: Any) -> str | None:
-    return bytes(r["payload"]).decode() if r["payload_type"] == "json" else None
-
-
-def _message_row(r: Any, now: int | None) -> tuple[Any, ...]:
-    assert now is not None
-    due = r["scheduled_at"]
-    state = "ready" if due <= now else "scheduled" if r["lock_token"] is None else "in_flight"
-    return (
-        r["id"],
-        r["queue"],
-        r["key"],
-        bytes(r["payload"]),
-        r["payload_type"],
-        _json(r),
-        state,
-        from_ms(due),
-        from_ms(r["scheduled_at_initially"]),
-        from_ms(r["created_at"]),
-        r["attempts"],
-        r["last_error"],
-    )
-
-
-def _dead_row(r: Any, now: int | None) -> tuple[Any, ...]:
-    return (
-        r["id"],
-        r["queue"],
-        r["key"],
-        bytes(r["payload"]),
-        r["payload_type"],
-        _json(r),
-        from_ms(r["scheduled_at_initially"]),
-        from_ms(r["created_at"]),
-        r["attempts"],
-        r["last_error"],
-        from_ms(r["failed_at"]),
-    )
-
-
 ARROW_BATCH = 4096
+"""Rows per fetch from the database and per Arrow record batch."""
+
+_MS_RANGE = (-62_135_596_800_000, 253_402_300_799_999)  # Python's datetime.min and max, in epoch ms
 
 
-def log_batches(rows: Iterable[Any]) -> Iterator[Any]:
-    """Log rows as Arrow record batches of ``LOG_SCHEMA`` (several times faster for Spark than tuples)."""
-    import pyarrow as pa  # type: ignore[import-untyped]  # (PySpark's Python data sources need it)
+def stored_names(schema: T.StructType) -> list[str]:
+    """What a read of ``schema`` selects: its columns but the computed ``payload_json`` and ``state``, and
+    ``lock_token`` for ``state``."""
+    names = [n for n in schema.fieldNames() if n not in ("payload_json", "state")]
+    return [*names, "lock_token"] if "state" in schema.fieldNames() else names
 
-    names = [f.name for f in LOG_SCHEMA.fields]
-    types = [pa.string(), pa.int32(), pa.int64(), pa.string(), pa.string(), pa.binary(), pa.string(), pa.string()]
-    schema = pa.schema(
-        [
-            *(pa.field(n, t, nullable=n == "payload_json") for n, t in zip(names, types, strict=False)),
-            pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        ]
-    )
-    columns: list[list[Any]] = [[] for _ in names]
-    for r in rows:
-        payload = bytes(r["payload"])
-        values = (
-            r["topic"],
-            r["partition"],
-            r["message_offset"],
-            r["partition_key"],
-            r["message_id"],
-            payload,
-            r["payload_type"],
-            payload.decode() if r["payload_type"] == "json" else None,
-            r["published_at"] * 1000,
+
+def stored_columns(table: sa.Table, schema: T.StructType) -> list[sa.ColumnElement[Any]]:
+    """The table's columns behind ``schema``, in ``stored_names``' order."""
+    return [table.c[_COLUMN.get(n, n)] for n in stored_names(schema)]
+
+
+def log_query(log: sa.Table, topic: str, partition: int, after: int, upto: int) -> sa.Select[Any]:
+    """A topic partition's rows with offsets in ``(after, upto]``, oldest first, as ``LOG_SCHEMA`` stores them."""
+    return (
+        sa.select(*stored_columns(log, LOG_SCHEMA))
+        .where(
+            log.c.topic == topic,
+            log.c.partition == partition,
+            log.c.message_offset > after,
+            log.c.message_offset <= upto,
         )
-        for column, value in zip(columns, values, strict=True):
-            column.append(value)
-        if len(columns[0]) >= ARROW_BATCH:
-            yield pa.RecordBatch.from_arrays(columns, schema=schema)
-            columns = [[] for _ in names]
-    if columns[0]:
-        yield pa.RecordBatch.from_arrays(columns, schema=schema)
+        .order_by(log.c.message_offset)
+    )
+
+
+@contextlib.contextmanager
+def fetch(conn: sa.Connection, query: sa.Select[Any]) -> Iterator[Iterator[Sequence[Sequence[Any]]]]:
+    """The query's rows, streamed from the database in lists of ``ARROW_BATCH`` plain rows (no mappings).
+
+    The result is closed on leaving, before the connection is: a MySQL connection whose streamed result
+    still has unread rows (a failed or abandoned read) refuses every command, the rollback included."""
+    with conn.execution_options(yield_per=ARROW_BATCH).execute(query) as result:
+        yield result.partitions()
+
+
+def arrow_batches(
+    chunks: Iterable[Sequence[Sequence[Any]]], schema: T.StructType, now: int | None = None
+) -> Iterator[Any]:
+    """Lists of rows (``stored_columns(…, schema)``) as Arrow record batches of ``schema``, which Spark takes
+    several times faster than tuples. Each column is converted once, as a whole (``zip(*rows)``, then one
+    Arrow array of its type); ``payload_json`` and ``state`` (as of ``now``) are computed from other columns.
+    Times are the database's epoch milliseconds; one that Python's datetime cannot hold reads as its earliest
+    or latest, as with ``delayq.clock.from_ms``, rather than failing the read."""
+    import pyarrow as pa  # type: ignore[import-untyped]  # (PySpark's Python data sources need it)
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    arrow = {
+        "long": pa.int64(),
+        "integer": pa.int32(),
+        "string": pa.string(),
+        "binary": pa.binary(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+    }
+    target = pa.schema([pa.field(f.name, arrow[f.dataType.typeName()], f.nullable) for f in schema.fields])
+    names = stored_names(schema)
+
+    def array(values: Sequence[Any], kind: Any) -> Any:
+        if not pa.types.is_timestamp(kind):
+            return pa.array(values, kind)
+        ms = pc.min_element_wise(pc.max_element_wise(pa.array(values, pa.int64()), _MS_RANGE[0]), _MS_RANGE[1])
+        return ms.cast(pa.timestamp("ms", tz="UTC")).cast(kind)
+
+    for rows in chunks:
+        columns: dict[str, Sequence[Any]] = dict(zip(names, zip(*rows, strict=True), strict=True))
+        payloads, kinds = columns["payload"], columns["payload_type"]
+        columns["payload_json"] = [
+            str(p, "utf-8") if k == "json" else None for p, k in zip(payloads, kinds, strict=True)
+        ]
+        if "lock_token" in columns:  # the state
+            assert now is not None
+            columns["state"] = [
+                "ready" if due <= now else "scheduled" if lock is None else "in_flight"
+                for due, lock in zip(columns["scheduled_at"], columns["lock_token"], strict=True)
+            ]
+        yield pa.RecordBatch.from_arrays([array(columns[f.name], f.type) for f in target], schema=target)

@@ -30,10 +30,11 @@ from pyspark.sql.streaming.datasource import (
 from delayq.dialects import dialect_for
 from delayq.errors import DelayqError
 from delayq.spark.options import SourceOptions
-from delayq.spark.read import ARROW_BATCH, log_batches, read_heads
+from delayq.spark.read import LOG_SCHEMA, arrow_batches, fetch, log_query, read_heads, stored_names
 from delayq.topics.statements import statements_for
 
 Offsets = dict[str, int]
+_OFFSET = stored_names(LOG_SCHEMA).index("offset")  # in a row of log_query
 
 
 class CollectedError(DelayqError):
@@ -121,33 +122,30 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         part, after, upto = partition.value
-        log = self.opts.tables().topics.log
-        query = (
-            sa.select(log)
-            .where(
-                log.c.topic == self.opts.topic,
-                log.c.partition == part,
-                log.c.message_offset > after,
-                log.c.message_offset <= upto,
-            )
-            .order_by(log.c.message_offset)
-        )
+        assert self.opts.topic is not None
+        query = log_query(self.opts.tables().topics.log, self.opts.topic, part, after, upto)
         engine = self.opts.engine()
         try:
-            with engine.connect() as conn:
-                rows = conn.execution_options(yield_per=ARROW_BATCH).execute(query).mappings()
-                yield from log_batches(self._contiguous(rows, part, after, upto))
+            with engine.connect() as conn, fetch(conn, query) as chunks:
+                yield from arrow_batches(self._contiguous(chunks, part, after, upto), LOG_SCHEMA)
         finally:
             engine.dispose()
 
-    def _contiguous(self, rows: Iterable[Any], part: int, after: int, upto: int) -> Iterator[Any]:
-        """The rows, checked to be every offset in ``(after, upto]``: a gap means they were collected."""
+    def _contiguous(
+        self, chunks: Iterable[Sequence[Sequence[Any]]], part: int, after: int, upto: int
+    ) -> Iterator[Sequence[Sequence[Any]]]:
+        """The rows, checked to be every offset in ``(after, upto]``: a gap means they were collected.
+
+        Offsets ascend strictly (the primary key, in order), so a chunk whose first and last offsets are
+        the next expected ones holds every offset in between."""
         expected = after + 1
-        for r in rows:
-            if r["message_offset"] != expected:
+        for rows in chunks:
+            offsets = (rows[0][_OFFSET], rows[-1][_OFFSET])
+            if offsets != (expected, expected + len(rows) - 1):
+                expected = next(expected + i for i, r in enumerate(rows) if r[_OFFSET] != expected + i)
                 break
-            expected += 1
-            yield r
+            expected += len(rows)
+            yield rows
         if expected != upto + 1:
             raise CollectedError(
                 f"offsets {expected}..{upto} of partition {part} of topic {self.opts.topic!r} were "
