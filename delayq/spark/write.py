@@ -23,7 +23,7 @@ import datetime as dt
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pyspark.sql import types as T
 from pyspark.sql.datasource import (
@@ -38,6 +38,7 @@ from delayq.queue import DelayedQueue
 from delayq.spark.options import SourceOptions
 from delayq.topics.topic import Topic
 
+Item = TypeVar("Item")
 log = logging.getLogger("delayq.spark")
 log.setLevel(logging.INFO)  # the counts of every write are its report (Spark's Python worker logs keep them)
 
@@ -109,48 +110,63 @@ def write_rows(opts: SourceOptions, layout: Layout, batches: Iterator[Any]) -> W
     try:
         if opts.queue is not None:
             queue = DelayedQueue(engine, opts.queue, table_prefix=opts.table_prefix, schema=opts.schema, notify=True)
-            for chunk in _chunks(batches, opts.chunk_size):
-                counts.add(queue.offer_many([_offer_item(layout, row) for row in chunk], update=opts.update))
+            for chunk in _chunks(_offer_items(layout, batches), opts.chunk_size):
+                counts.add(queue.offer_many(chunk, update=opts.update))
         else:
             assert opts.topic is not None
             topic = Topic(engine, opts.topic, table_prefix=opts.table_prefix, schema=opts.schema)
-            for chunk in _chunks(batches, opts.chunk_size):
-                counts.add(topic.publish_many([_publish_item(layout, row) for row in chunk]))
+            for chunk in _chunks(_publish_items(layout, batches), opts.chunk_size):
+                counts.add(topic.publish_many(chunk))
     finally:
         engine.dispose()
     return counts
 
 
-def _chunks(batches: Iterator[Any], size: int) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    for batch in batches:
-        for row in batch.to_pylist():
-            chunk.append(row)
-            if len(chunk) >= size:
-                yield chunk
-                chunk = []
+def _chunks(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
+    chunk: list[Item] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
     if chunk:
         yield chunk
 
 
-def _payload(layout: Layout, row: dict[str, Any]) -> Any:
+# The Arrow batches are read a column at a time (one ``to_pylist`` each): a dictionary per row cost the
+# data source's writes a third of their rate beside ``offer_dataframe``.
+def _column(batch: Any, name: str) -> list[Any]:
+    return list(batch.column(name).to_pylist())
+
+
+def _payloads(layout: Layout, batch: Any) -> list[Any]:
     if layout.payload is not None:
-        return _jsonable(row[layout.payload])
-    return {name: _jsonable(row[name]) for name in layout.packed}
+        return [_jsonable(v) for v in _column(batch, layout.payload)]
+    columns = [_column(batch, name) for name in layout.packed]
+    return [
+        {name: _jsonable(v) for name, v in zip(layout.packed, values, strict=True)}
+        for values in zip(*columns, strict=True)
+    ]
 
 
-def _offer_item(layout: Layout, row: dict[str, Any]) -> tuple[str, Any, Any]:
-    at = row[layout.at] if layout.at is not None else None
-    if layout.at is not None and at is None:
-        raise InvalidTimeError(f"column 'at' is null for key {row['key']!r}")
-    if isinstance(at, dt.datetime) and at.tzinfo is None:  # Arrow timestamps without a zone are UTC
-        at = at.replace(tzinfo=dt.UTC)
-    return (row["key"], _payload(layout, row), at)
+def _offer_items(layout: Layout, batches: Iterator[Any]) -> Iterator[tuple[str, Any, Any]]:
+    for batch in batches:
+        keys, payloads = _column(batch, layout.key), _payloads(layout, batch)
+        if layout.at is None:
+            yield from ((key, payload, None) for key, payload in zip(keys, payloads, strict=True))
+            continue
+        for key, payload, at in zip(keys, payloads, _column(batch, layout.at), strict=True):
+            if at is None:
+                raise InvalidTimeError(f"column 'at' is null for key {key!r}")
+            if at.tzinfo is None:  # Arrow timestamps without a zone are UTC
+                at = at.replace(tzinfo=dt.UTC)
+            yield key, payload, at
 
 
-def _publish_item(layout: Layout, row: dict[str, Any]) -> tuple[str, str, Any]:
+def _publish_items(layout: Layout, batches: Iterator[Any]) -> Iterator[tuple[str, str, Any]]:
     assert layout.id is not None
-    return (row["key"], row[layout.id], _payload(layout, row))
+    for batch in batches:
+        yield from zip(_column(batch, layout.key), _column(batch, layout.id), _payloads(layout, batch), strict=True)
 
 
 def _jsonable(value: Any) -> Any:
