@@ -133,8 +133,7 @@ def _chunks(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
         yield chunk
 
 
-# The Arrow batches are read a column at a time (one ``to_pylist`` each): a dictionary per row cost the
-# data source's writes a third of their rate beside ``offer_dataframe``.
+# The Arrow batches are read a column at a time (one ``to_pylist`` each), not as a dictionary per row.
 def _column(batch: Any, name: str) -> list[Any]:
     return list(batch.column(name).to_pylist())
 
