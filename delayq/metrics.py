@@ -129,7 +129,7 @@ class Metrics(observe.Observer, Collector):
         found.counts[bisect.bisect_left(bounds, value)] += 1  # the first bound >= value: Prometheus' "le"
         found.total += value
 
-    # -- collector: the gauges, read at scrape time ---------------------------------------------------
+    # -- collector: what a scrape reads -------------------------------------------------------------
     def watch(self, queues: Iterable[DelayedQueue]) -> None:
         """Also export the gauges of ``queues`` (each queue once, by name)."""
         with self._lock:
