@@ -499,8 +499,9 @@ def print_row(f: Figure, ceiling_label: str = "ceiling") -> None:
     theirs = f"{f.ceiling:9.0f}" if f.ceiling is not None else "        -"
     ours = f"{f.delayq:9.0f}" if f.delayq >= 10 else f"{f.delayq:9.2f}"  # slow events (topics: settle times)
     lat = f"  p50 {f.p50_ms:6.2f} ms  p99 {f.p99_ms:6.2f} ms" if f.p50_ms is not None else ""
+    spread = f"  (runs {min(f.run_ratios):.2f}-{max(f.run_ratios):.2f})" if len(f.run_ratios) > 1 else ""
     print(
-        f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{lat}",
+        f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{spread}{lat}",
         flush=True,
     )
 
