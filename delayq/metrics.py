@@ -104,8 +104,8 @@ class Metrics(observe.Observer, Collector):
     """delayq's metrics in one registry; an ``Observer`` once installed (``register`` does both).
 
     Events are added up in plain numbers under one lock, and become Prometheus metric families only
-    when scraped: about 2 µs per delivery, where prometheus-client's own counters and histograms (a
-    lock each, for the count, the sum and the bucket) took 7 µs.
+    when scraped: about 3 µs of CPU per delivery, the observer calls included, where prometheus-client's own
+    counters and histograms (a lock each, for the count, the sum and the bucket) took 7 µs without them.
     """
 
     def __init__(self, registry: CollectorRegistry, queues: Iterable[DelayedQueue] = ()) -> None:
