@@ -9,7 +9,7 @@ than that (a WAL checkpoint, the growth of the table, another process) weighs on
 drains with and without metrics could not show a cost of a few percent: one drain's rate swings by a
 sixth from the next on a shared 2-core machine. Even so, the rate of 0.2-second phases swings too much
 for a few percent to stand out in one run (an observer that does nothing, switched the same way, gave
-ratios from 0.82 to 1.06 on SQLite), so each run also prints the metrics' own cost where it is paid: the
+ratios from 0.84 to 1.07 on SQLite), so each run also prints the metrics' own cost where it is paid: the
 CPU time of the observer calls of one delivery, measured on one thread after the drain, beside the CPU
 time the worker process spent per delivery during the drain. (The drain itself runs the metrics bare:
 timing each call inside the drain cost as much as the metrics did.)
