@@ -25,7 +25,7 @@ from delayq.threads import Task
 log = logging.getLogger("delayq.worker")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Lease:
     """A delivery the worker holds, from the claim until its outcome is recorded."""
 
@@ -52,6 +52,7 @@ class Leases:
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
+        self._running = 0  # leases whose handler has not returned (kept, not counted: asked per freed slot)
         self.handled = 0
         """Deliveries finished (acked, retried, dead-lettered, or found lost) so far."""
 
@@ -65,18 +66,19 @@ class Leases:
         lease = Lease(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
         with self._lock:
             self._leases[id(lease)] = lease
+            self._running += 1
         return lease
 
     def running(self) -> int:
         """How many handlers run."""
-        with self._lock:
-            return sum(1 for lease in self._leases.values() if not lease.done)
+        return self._running
 
     def finish(self, lease: Lease, to_ack: bool) -> None:
         """The handler returned; ``to_ack`` when its message awaits the ack (else its outcome is recorded)."""
         with self._lock:
             if id(lease) not in self._leases:  # released by a shutdown meanwhile
                 return
+            self._running -= 1
             if to_ack and not lease.lost:
                 lease.done = True
             else:
@@ -98,6 +100,7 @@ class Leases:
         with self._lock:
             left = len(self._leases)
             self._leases.clear()
+            self._running = 0
             return left
 
     # -- acks -----------------------------------------------------------------------------------
@@ -216,7 +219,8 @@ class Leases:
         """Give messages back, due again at once, the attempt not counted: one statement per queue."""
         with self._lock:
             for x in leases:
-                self._leases.pop(id(x), None)
+                if self._leases.pop(id(x), None) is not None and not x.done:
+                    self._running -= 1
         for queue, group in by_queue(leases):
             try:
                 queue.release([x.delivery for x in group])

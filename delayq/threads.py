@@ -3,6 +3,9 @@
 ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so one
 handler stuck past the shutdown timeout would keep the process alive. These threads are daemon
 threads: once the worker has released what is still running, the process can exit.
+
+A task is a few words of state under the pool's one lock (no lock or event of its own): a worker
+submits one per message, so what a submission costs is paid per message.
 """
 
 from __future__ import annotations
@@ -14,41 +17,62 @@ from collections.abc import Callable
 
 log = logging.getLogger("delayq.worker")
 
+PENDING, RUNNING, DONE, CANCELLED = range(4)
+
+
+class _States:
+    """What a pool's tasks share: one condition for their state changes, and how many wait on it."""
+
+    __slots__ = ("changed", "waiting")
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition(threading.Lock())
+        self.waiting = 0
+
 
 class Task:
     """One call submitted to a ``DaemonPool``: it can be cancelled until a thread starts it."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    __slots__ = ("_fn", "_shared", "_state")
+
+    def __init__(self, fn: Callable[[], None], shared: _States) -> None:
         self._fn = fn
-        self._lock = threading.Lock()
-        self._state = "pending"  # -> running -> done, or -> cancelled
-        self._done = threading.Event()
+        self._shared = shared
+        self._state = PENDING
 
     def cancel(self) -> bool:
         """Keep the call from starting; False when it has started already."""
-        with self._lock:
-            if self._state == "pending":
-                self._state = "cancelled"
-                self._done.set()
-            return self._state == "cancelled"
+        with self._shared.changed:
+            if self._state == PENDING:
+                self._state = CANCELLED
+                self._shared.changed.notify_all()
+            return self._state == CANCELLED
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the call has returned (or was cancelled); True when it has."""
-        return self._done.wait(timeout)
+        shared = self._shared
+        with shared.changed:
+            shared.waiting += 1
+            try:
+                return shared.changed.wait_for(lambda: self._state >= DONE, timeout)
+            finally:
+                shared.waiting -= 1
 
     def run(self) -> None:
-        with self._lock:
-            if self._state != "pending":
+        shared = self._shared
+        with shared.changed:
+            if self._state != PENDING:
                 return
-            self._state = "running"
+            self._state = RUNNING
         try:
             self._fn()
         except BaseException:  # the worker's calls catch their own errors; this is the last line
             log.exception("a handler thread's call raised")
         finally:
-            with self._lock:
-                self._state = "done"
-            self._done.set()
+            with shared.changed:
+                self._state = DONE
+                if shared.waiting:
+                    shared.changed.notify_all()
 
 
 class DaemonPool:
@@ -56,12 +80,17 @@ class DaemonPool:
 
     def __init__(self, size: int, name: str) -> None:
         self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._states = _States()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)]
         for t in self._threads:
             t.start()
 
+    def task(self, fn: Callable[[], None]) -> Task:
+        """A task of this pool for ``fn``, not yet submitted."""
+        return Task(fn, self._states)
+
     def submit(self, fn: Callable[[], None]) -> Task:
-        task = Task(fn)
+        task = self.task(fn)
         self._tasks.put(task)
         return task
 

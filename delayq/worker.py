@@ -180,6 +180,7 @@ class Worker:
         self._listen = listen
         self._leases = Leases(clock)
         self._slot_freed = threading.Event()
+        self._wake_at_free = 1  # free slots at which a finishing handler sets ``_slot_freed``
         self._ack_due = threading.Event()  # a handled delivery awaits its ack
         self._acking = threading.Event()  # set: the ack loop ends
         self._wake = threading.Event()
@@ -337,13 +338,18 @@ class Worker:
     def _gather_slots(self) -> None:
         """Wait until half the slots are free, or ``FETCH_GATHER`` seconds: one claim for slots that free
         up together instead of a claim (a round trip and a commit) for each handler as it returns."""
+        half = (self.concurrency + 1) // 2
         deadline = time.monotonic() + FETCH_GATHER
-        while 2 * self._free_slots() < self.concurrency and not self._stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._slot_freed.wait(left)
-            self._slot_freed.clear()
+        self._wake_at_free = half  # handlers signal once that many are free, not at each one
+        try:
+            while self._free_slots() < half and not self._stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._slot_freed.wait(left)
+                self._slot_freed.clear()
+        finally:
+            self._wake_at_free = 1
 
     def _fetch(self, free: int, *, guard: bool = True) -> list[Task]:
         """Claim up to ``free`` messages, shared fairly between queues and topics, and start their handlers.
@@ -418,9 +424,17 @@ class Worker:
         return self.concurrency - self._leases.running() - self._topics.running()
 
     def _handler_done(self) -> None:
-        """A handler finished: its slot is free, and the fetch loop may find more."""
-        self._slot_freed.set()
-        self._wake.set()
+        """A handler finished: its slot is free, and the fetch loop may find more.
+
+        Each event is set only when clear (a set one wakes its waiter all the same; the waiter
+        clears it before it looks at the slots, so it sees this one too), and ``_slot_freed`` only
+        once as many slots are free as the fetch loop waits for: one wake-up per claim, not one
+        per handler.
+        """
+        if not self._slot_freed.is_set() and self._free_slots() >= self._wake_at_free:
+            self._slot_freed.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     # -- one delivery ---------------------------------------------------------------------------
     def _execute(self, lease: Lease) -> None:
@@ -440,7 +454,7 @@ class Worker:
             self._record_failure(lease, exc)
         finally:
             self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack loop
-            if to_ack:
+            if to_ack and not self._ack_due.is_set():  # (the ack loop clears it before it collects)
                 self._ack_due.set()
             self._handler_done()
 

@@ -72,11 +72,11 @@ class _NotBegun(Exception):
 class _StartNow(DaemonPool):
     """The fetch's "pool" on the event loop: a submitted call runs at once (it starts a task)."""
 
-    def __init__(self) -> None:  # no threads
-        pass
+    def __init__(self) -> None:
+        super().__init__(0, "delayq-async")  # no threads
 
     def submit(self, fn: Callable[[], None]) -> Task:
-        task = Task(fn)
+        task = self.task(fn)
         task.run()
         return task
 

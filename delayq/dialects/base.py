@@ -152,9 +152,7 @@ class Statements:
         )
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
         # Deliveries of several claims: each id with its own token.
-        self.ack_pairs = sa.delete(m).where(
-            sa.tuple_(m.c.id, m.c.lock_token).in_(sa.bindparam("pairs", expanding=True))
-        )
+        self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token))
         self.retry = (
             sa.update(m)
             .where(held)
@@ -164,7 +162,7 @@ class Statements:
         extended = self.extended_expiry = dialect.greatest(m.c.scheduled_at, now + _bp("by"))
         self.extend = sa.update(m).where(held).values(scheduled_at=extended)
         # Several held messages at once, each named by (id, token): heartbeats and background acks.
-        held_pairs = sa.tuple_(m.c.id, m.c.lock_token).in_(sa.bindparam("pairs", expanding=True))
+        held_pairs = dialect.held_in(m.c.id, m.c.lock_token)
         self.held_ids = sa.select(m.c.id).where(held_pairs)
         self.lock_held_skipping = sa.select(m.c.id).where(held_pairs).with_for_update(skip_locked=True)
         self.extend_ids = sa.update(m).where(dialect.id_in(m.c.id)).values(scheduled_at=extended)
@@ -264,6 +262,10 @@ class Dialect:
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
         """``column IN`` the list of ids bound as ``:ids``."""
         return column.in_(sa.bindparam("ids", expanding=True))
+
+    def held_in(self, ids: sa.Column[int], tokens: sa.Column[str]) -> sa.ColumnElement[bool]:
+        """``(ids, tokens)`` is one of the ``(id, lock token)`` pairs bound as ``:pairs``."""
+        return sa.tuple_(ids, tokens).in_(sa.bindparam("pairs", expanding=True))
 
     @classmethod
     def starts_with(cls, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -22,3 +24,14 @@ def name_type(length: int) -> sa.types.TypeEngine[str]:
 
 
 TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+class JsonList(sa.types.TypeDecorator[Sequence[Any]]):
+    """A list (of ids, or of (id, token) pairs) bound as one JSON array text, for ``json_each`` and
+    ``jsonb_array_elements``: one statement text whatever the list's length."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value: Sequence[Any] | None, dialect: sa.Dialect) -> str | None:
+        return None if value is None else json.dumps(value)
