@@ -364,37 +364,63 @@ def pickup_latency(engine: sa.Engine, q: DelayedQueue, n: int) -> tuple[float, N
     return n / total, None, lat
 
 
-def worker_drain(engine: sa.Engine, q: DelayedQueue, n: int, workers: int) -> tuple[float, None, list[float]]:
-    """No-op handlers draining n due messages with ``workers`` workers (8 slots each)."""
+def worker_drain(
+    engine: sa.Engine, q: DelayedQueue, n: int, workers: int, slots: int = 8, *, ceiling_batch: int | None = None
+) -> tuple[float, float | None, list[float]]:
+    """No-op handlers draining n due messages with ``workers`` workers of ``slots`` slots each.
+
+    A drain ends when the workers have finished (acked) n messages, by their own count: polling the
+    table's row count meanwhile would cost the database the CPU the drain is measured by. With
+    ``ceiling_batch``, rounds of the drain take turns with rounds of the raw claim + ack of that
+    many messages (one consumer), and the ceiling is that rate.
+    """
     clear(engine)
-    expected = fill(q, n)
-    delivered: Counter[str] = Counter()
-    lock = threading.Lock()
+    claim = ceiling.claim_and_ack(engine.dialect.name, TABLE)
+    raw = ceiling.connect(engine, autocommit=engine.dialect.name == "postgresql") if ceiling_batch else None
+    rounds = ROUNDS if ceiling_batch else 1
+    ours_time = theirs_time = 0.0
+    for _ in range(rounds):
+        expected = fill(q, n // rounds)
+        delivered: Counter[str] = Counter()
+        lock = threading.Lock()
 
-    def on_start(key: str) -> None:
-        with lock:
-            delivered[key] += 1
+        def on_start(key: str, delivered: Counter[str] = delivered, lock: threading.Lock = lock) -> None:
+            with lock:
+                delivered[key] += 1
 
-    pool = [
-        Worker(
-            engine,
-            [noop_handler("bench", on_start)],
-            table_prefix=PREFIX,
-            concurrency=8,
-            poll_interval=dt.timedelta(milliseconds=50),
-        )
-        for _ in range(workers)
-    ]
-    start = time.perf_counter()
-    for w in pool:
-        w.start()
-    while count(engine) and time.perf_counter() - start < 600:
-        time.sleep(0.005)
-    elapsed = time.perf_counter() - start
-    for w in pool:
-        w.stop()
-    check_exactly_once(engine, expected, delivered, f"worker drain x{workers}")
-    return n / elapsed, None, []
+        pool = [
+            Worker(
+                engine,
+                [noop_handler("bench", on_start)],
+                table_prefix=PREFIX,
+                concurrency=slots,
+                poll_interval=dt.timedelta(milliseconds=50),
+            )
+            for _ in range(workers)
+        ]
+        start = time.perf_counter()
+        for w in pool:
+            w.start()
+        while sum(w.handled for w in pool) < len(expected) and time.perf_counter() - start < 600:
+            time.sleep(0.002)
+        ours_time += time.perf_counter() - start
+        for w in pool:
+            w.stop()
+        check_exactly_once(engine, expected, delivered, f"worker drain x{workers}")
+        if raw is not None and ceiling_batch is not None:
+            expected = fill(q, n // rounds)
+            delivered = Counter()
+
+            def theirs(_: int, delivered: Counter[str] = delivered) -> None:
+                while keys := claim(raw, ceiling_batch):
+                    delivered.update(keys)
+
+            theirs_time += run_threads(1, theirs)
+            check_exactly_once(engine, expected, delivered, "ceiling")
+    if raw is not None:
+        raw.close()
+    done = rounds * (n // rounds)
+    return done / ours_time, (done / theirs_time if theirs_time else None), []
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -468,6 +494,11 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
             f"worker no-op drain, {workers} worker(s) x 8 slots",
             lambda w=workers: worker_drain(engine, q, sizes.consume_batch, w),
         )
+    # Issue 15's figure: a worker that claims up to 100 at a time, beside the raw claim + ack of 100
+    measure(
+        "worker no-op drain, 1 worker x 100 slots (ceiling: raw claim + ack of 100)",
+        lambda: worker_drain(engine, q, sizes.consume_batch, 1, 100, ceiling_batch=100),
+    )
 
     def metrics_drain() -> tuple[float, float, list[float]]:
         clear(engine)

@@ -722,27 +722,35 @@ class DelayedQueue:
 
         deliveries: list[Delivery] = []
         dead: list[tuple[int, str, str | None]] = []
-        for row in rows:
-            if self.max_deliveries is not None and row.attempts > self.max_deliveries:
+        limit, tag, loads = self.max_deliveries, self.serializer.type_tag, self.serializer.loads
+        for row in rows:  # (the loop runs once per claimed message: what it looks up, it looks up once)
+            if limit is not None and row.attempts > limit:
                 dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
                 continue
             try:
-                delivery = Delivery(
-                    id=row.id,
-                    key=row.key,
-                    payload=self._decode(row.key, row.payload_type, row.payload),
-                    attempts=row.attempts,
-                    scheduled_at=at(row.due_at),
-                    scheduled_at_initially=at(row.scheduled_at_initially),
-                    created_at=at(row.created_at),
-                    locked_until=at(row.locked_until),
-                    lock_token=row.lock_token,
-                    _queue=self,
-                )
+                if row.payload_type != tag:
+                    raise self._mismatch(row.key, row.payload_type, None)
+                try:
+                    payload = loads(bytes(row.payload))
+                except (TypeError, ValueError) as exc:
+                    raise self._mismatch(row.key, row.payload_type, exc) from exc
             except SerializationMismatchError as exc:
                 dead.append((row.id, row.lock_token, str(exc)))
                 continue
-            deliveries.append(delivery)
+            deliveries.append(
+                Delivery(
+                    row.id,
+                    row.key,
+                    payload,
+                    row.attempts,
+                    at(row.due_at),
+                    at(row.scheduled_at_initially),
+                    at(row.created_at),
+                    at(row.locked_until),
+                    row.lock_token,
+                    self,
+                )
+            )
         if dead:
             log.warning("%s: %d claimed message(s) moved to the dead letters: %s", self.name, len(dead), dead[0][2])
             try:
@@ -756,18 +764,24 @@ class DelayedQueue:
         return deliveries
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
-        tag = self.serializer.type_tag
-        if payload_type != tag:
-            raise SerializationMismatchError(
-                f"message {key!r} in queue {self.name!r} was written as {payload_type!r} but this queue "
-                f"reads {tag!r}: use the serializer that wrote it, or cancel the message"
-            )
+        if payload_type != self.serializer.type_tag:
+            raise self._mismatch(key, payload_type, None)
         try:
             return self.serializer.loads(bytes(payload))
         except (TypeError, ValueError) as exc:
-            raise SerializationMismatchError(
-                f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {exc}"
-            ) from exc
+            raise self._mismatch(key, payload_type, exc) from exc
+
+    def _mismatch(self, key: str, payload_type: str, error: Exception | None) -> SerializationMismatchError:
+        """Why message ``key`` cannot be read here: written by another serializer, or undecodable (``error``)."""
+        tag = self.serializer.type_tag
+        if error is None:
+            return SerializationMismatchError(
+                f"message {key!r} in queue {self.name!r} was written as {payload_type!r} but this queue "
+                f"reads {tag!r}: use the serializer that wrote it, or cancel the message"
+            )
+        return SerializationMismatchError(
+            f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {error}"
+        )
 
 
 def _row(params: dict[str, Any], now: int) -> dict[str, Any]:
@@ -818,10 +832,11 @@ def check_text(value: object, what: str, limit: int, error: type[InvalidInputErr
         raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
     if "\x00" in value:
         raise error(f"{what} must not contain NUL characters (PostgreSQL cannot store them)")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise error(f"{what} is not valid text: it contains a lone surrogate") from None
+    if not value.isascii():  # (ASCII text, the usual key, holds no surrogate: no need to encode it)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise error(f"{what} is not valid text: it contains a lone surrogate") from None
     return value
 
 

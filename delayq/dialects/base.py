@@ -8,6 +8,8 @@ transaction, and how to read its driver's error codes.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -535,9 +537,12 @@ def values_insert(dialect: sa.Dialect, table: sa.Table, rows: int) -> str:
     return f"INSERT INTO {quote.format_table(table)} ({columns}) VALUES " + ", ".join([row] * rows)
 
 
+_row_columns = operator.itemgetter(*ROW_COLUMNS)
+
+
 def row_values(rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
     """The parameters of ``values_insert``: each row's ``ROW_COLUMNS``, one row after another."""
-    return tuple(row[c] for row in rows for c in ROW_COLUMNS)
+    return tuple(itertools.chain.from_iterable(map(_row_columns, rows)))
 
 
 def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:
