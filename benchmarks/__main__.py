@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
+from benchmarks import processes as process_bench
 from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
@@ -499,6 +500,22 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         "worker no-op drain, 1 worker x 100 slots (ceiling: raw claim + ack of 100)",
         lambda: worker_drain(engine, q, sizes.consume_batch, 1, 100, ceiling_batch=100),
     )
+
+    def process_drains(processes: int, slots: int) -> tuple[float, float, list[float]]:
+        """``processes`` worker processes beside one, in turns; the "ceiling" is the one process's rate."""
+        url = engine.url.render_as_string(hide_password=False)
+        n = sizes.consume_batch
+        clear(engine)
+        fill(q, n)
+        many = n / process_bench.drain(url, PREFIX, n, processes, slots)
+        assert count(engine) == 0
+        fill(q, n)
+        one = n / process_bench.drain(url, PREFIX, n, 1, slots)
+        assert count(engine) == 0
+        return many, one, []
+
+    # Issue 15: 4 worker processes are at least as fast as 1 (ratio >= 1)
+    measure("worker no-op drain, 4 processes x 100 slots (ceiling: 1 process)", lambda: process_drains(4, 100))
 
     def metrics_drain() -> tuple[float, float, list[float]]:
         clear(engine)
