@@ -103,7 +103,7 @@ class Runner:
         attempt, deadline = 0, time.monotonic() + self.retry.budget
         while True:
             try:
-                with self.owned(mode, engine) as conn:
+                with self.dialect.writer_turn(mode), self.owned(mode, engine) as conn:
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1

@@ -8,6 +8,7 @@ transaction, and how to read its driver's error codes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import threading
@@ -317,6 +318,12 @@ class Dialect:
     def claim_mode_for(self, limit: int) -> Mode:
         """The mode of a claim of up to ``limit`` messages (``claim_mode`` unless the plan needs more)."""
         return self.claim_mode
+
+    def writer_turn(self, mode: Mode) -> contextlib.AbstractContextManager[object]:
+        """Held around one of delayq's own operations of ``mode`` (each attempt): where the database
+        lets one writer in at a time, the process's threads take turns here rather than in the
+        database's busy wait. Nothing by default."""
+        return contextlib.nullcontext()
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.
