@@ -163,7 +163,11 @@ def consume(engine: sa.Engine, q: DelayedQueue, n: int, batch: int, consumers: i
 
 # -- workers --------------------------------------------------------------------------------------
 def worker_drain(engine: sa.Engine, q: DelayedQueue, n: int) -> Result:
-    """No-op handlers draining n due messages: one AsyncWorker, then one Worker, 8 slots each."""
+    """No-op handlers draining n due messages: one AsyncWorker, then one Worker, 8 slots each.
+
+    A drain ends when the worker has finished (acked) n messages, by its own count: a row count
+    polled meanwhile would run a blocking query on the event loop's thread and slow the async worker.
+    """
     poll = dt.timedelta(milliseconds=50)
 
     async def body(aengine: AsyncEngine) -> Result:
@@ -180,8 +184,8 @@ def worker_drain(engine: sa.Engine, q: DelayedQueue, n: int) -> Result:
         worker = AsyncWorker(aengine, [AsyncNoop], table_prefix=PREFIX, concurrency=8, poll_interval=poll)
         start = time.perf_counter()
         worker.start()
-        while count(engine) and time.perf_counter() - start < 600:
-            await asyncio.sleep(0.005)
+        while worker.handled < n and time.perf_counter() - start < 600:
+            await asyncio.sleep(0.002)
         ours = time.perf_counter() - start
         await worker.stop()
         check(engine, expected, delivered, "async worker drain")
@@ -200,8 +204,8 @@ def worker_drain(engine: sa.Engine, q: DelayedQueue, n: int) -> Result:
         sync_worker = Worker(engine, [Noop], table_prefix=PREFIX, concurrency=8, poll_interval=poll)
         start = time.perf_counter()
         sync_worker.start()
-        while count(engine) and time.perf_counter() - start < 600:
-            time.sleep(0.005)
+        while sync_worker.handled < n and time.perf_counter() - start < 600:
+            time.sleep(0.002)
         theirs = time.perf_counter() - start
         sync_worker.stop()
         check(engine, expected, delivered_sync, "sync worker drain")

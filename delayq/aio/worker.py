@@ -43,7 +43,7 @@ from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
 from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
-from delayq.worker import HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
+from delayq.worker import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
 
 __all__ = ["AsyncHandler", "AsyncWorker"]
 
@@ -163,6 +163,8 @@ class AsyncWorker(Worker):
         self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
+        self._acks_due: asyncio.Event | None = None  # a handled delivery awaits its ack
+        self._acking_ends = False  # set: the ack task ends
         self._done: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
 
@@ -231,10 +233,15 @@ class AsyncWorker(Worker):
         self._stopped.clear()
         self._error = None
         self._pool = _StartNow()
-        self._nudge, self._done = asyncio.Event(), asyncio.Event()
+        self._nudge, self._acks_due, self._done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._acking_ends = False
         current = asyncio.current_task()
         assert current is not None
-        self._loop_tasks = {"fetch": current, "heartbeat": asyncio.create_task(self._heartbeat_task())}
+        self._loop_tasks = {
+            "fetch": current,
+            "heartbeat": asyncio.create_task(self._heartbeat_task()),
+            "ack": asyncio.create_task(self._ack_task()),
+        }
         if self._listen and dialect_for(self.engine).can_notify:
             self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
         log.info("async worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
@@ -262,8 +269,7 @@ class AsyncWorker(Worker):
         while not self._stopping.is_set():
             assert self._nudge is not None
             self._nudge.clear()  # a wake-up from now on ends the next pause
-            try:
-                await self._call(self._flush_acks)
+            try:  # (acks go out from their own task meanwhile)
                 free = self._free_slots()
                 started = await self._call(self._fetch, free) if free else []
                 errors = 0
@@ -298,6 +304,29 @@ class AsyncWorker(Worker):
             errors = 0 if ok else errors + 1
             await asyncio.sleep(backoff(errors) if errors else HEARTBEAT_TICK)
 
+    async def _ack_task(self) -> None:
+        """Ack handled deliveries in batches beside the claims, as ``Worker._ack_loop`` does: a claim and
+        an ack each wait for a round trip (and a commit); from two connections they do not wait for each other."""
+        assert self._acks_due is not None
+        while not self._acking_ends:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._acks_due.wait(), self.poll_interval)
+                if not self._acking_ends:
+                    await asyncio.sleep(ACK_GATHER)  # the rest of a batch's handlers finish meanwhile
+            self._acks_due.clear()
+            await self._flush_acks_async()  # on a quiet tick too: what a row lock held back last time
+
+    async def _stop_ack_task(self) -> None:
+        """End the ack task (the shutdown acks from here on): a flush under way may finish, for 2 s at most."""
+        task = self._loop_tasks.get("ack")
+        if task is None or task.done():
+            return
+        self._acking_ends = True
+        assert self._acks_due is not None
+        self._acks_due.set()
+        await asyncio.wait([task], timeout=2.0)
+        task.cancel()
+
     async def _listen_task(self) -> None:
         errors = 0
         while True:
@@ -314,6 +343,7 @@ class AsyncWorker(Worker):
     async def _shutdown_async(self, grace: float) -> None:
         """Wait for running handlers (acking meanwhile) up to ``grace`` seconds, then cancel and
         release what still runs."""
+        await self._stop_ack_task()
         deadline = time.monotonic() + grace
         while True:
             await self._flush_acks_async()
@@ -363,8 +393,10 @@ class AsyncWorker(Worker):
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             await self._bounded(self._record_failure_of, lease, exc)
         finally:
-            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the fetch loop
+            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack task
             self._tasks.pop(id(lease), None)
+            if to_ack and self._acks_due is not None:
+                self._acks_due.set()
             self._poke()
 
     @staticmethod
