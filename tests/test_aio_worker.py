@@ -232,6 +232,42 @@ def test_a_cancelled_handler_or_worker_gives_its_message_back(backend: Backend, 
     assert handled == ["a"]
 
 
+def test_the_ack_task_acks_while_the_worker_runs_and_hands_over_at_stop(backend: Backend, queue_name: str) -> None:
+    """Acks go out from a task of their own while the fetch loop claims; what is handled is deleted before
+    the stop, every key once; the stop ends the ack task and acks the rest itself."""
+    n = 40
+    handled: Counter[str] = Counter()
+    gate = asyncio.Event()
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        if d.key == "last":
+            await gate.wait()  # still running at the stop: acked by the shutdown, not the ack task
+        handled[d.key] += 1
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        worker = AsyncWorker(engine, [async_handler(queue_name, body)], concurrency=4, poll_interval=FAST, listen=False)
+        q = worker.async_queues[queue_name]
+        await q.offer_many([(f"k{i}", i, None) for i in range(n)] + [("last", n, None)])
+        worker.start()
+
+        async def all_but_last_acked() -> bool:
+            return (await q.stats()).ready + (await q.stats()).in_flight == 1
+
+        await wait_for(all_but_last_acked, "the ack task to ack the handled messages")
+        health = worker.health()
+        assert set(health.loops) >= {"fetch", "heartbeat", "ack"} and health.healthy
+        assert await q.get("last") is not None
+        gate.set()
+        assert await worker.stop()
+        assert not worker.health().loops["ack"]
+        assert await q.get("last") is None  # acked at the stop
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert handled == Counter({f"k{i}": 1 for i in range(n)} | {"last": 1})
+
+
 CHILD = textwrap.dedent(
     """
     import asyncio, datetime as dt, sys
