@@ -55,11 +55,11 @@ def _errorcode(exc: DBAPIError) -> int:
 
 class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
+    min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
 
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         super().__init__(sa_dialect)
         self._writers = threading.RLock()  # see ``writer_turn``
-    min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
 
     @classmethod
     def check_shared_url(cls, url: sa.URL) -> None:
