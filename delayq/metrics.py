@@ -108,6 +108,8 @@ class Metrics(observe.Observer, Collector):
     counters and histograms (a lock each, for the count, the sum and the bucket) took 7 µs without them.
     """
 
+    reads_database = False
+
     def __init__(self, registry: CollectorRegistry, queues: Iterable[DelayedQueue] = ()) -> None:
         self.queues: list[DelayedQueue] = list(queues)
         self._lock = threading.Lock()  # the queues watched

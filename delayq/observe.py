@@ -14,7 +14,7 @@ import logging
 import time
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
@@ -30,6 +30,11 @@ class Observer:
 
     Methods run on the worker's threads, inline: keep them fast, and never raise.
     """
+
+    #: Whether ``started`` or ``finished`` may read the database through delayq's sync core (the
+    #: delivery's ``headers`` or ``attempt_history``, say): the asyncio worker then calls them inside a
+    #: greenlet. True unless an observer says otherwise; delayq's own log and metrics do not.
+    reads_database: ClassVar[bool] = True
 
     def started(self, delivery: Delivery) -> object:
         """A handler is about to run ``delivery``; what it returns comes back to ``finished``."""
@@ -108,6 +113,11 @@ class handling:  # a class in a function's name: ``with handling(delivery):``
         self._delivery = delivery
         self._observers = _observers
 
+    @property
+    def reads_database(self) -> bool:
+        """Whether one of the observers may read the database on entry (see ``Observer.reads_database``)."""
+        return any(o.reads_database for o in self._observers)
+
     def __enter__(self) -> None:
         self._states = [o.started(self._delivery) for o in self._observers]
         self._start = time.perf_counter()
@@ -127,6 +137,8 @@ class DeliveryLog(Observer):
     The level of each is an attribute: ``delayq.observe.delivery_log.success_level = logging.DEBUG``.
     Defaults: start DEBUG, success INFO, failure WARNING.
     """
+
+    reads_database = False
 
     def __init__(
         self,

@@ -298,6 +298,47 @@ CHILD = textwrap.dedent(
 )
 
 
+def test_an_observer_that_reads_the_database_works_under_the_async_worker(backend: Backend, queue_name: str) -> None:
+    """An application's own observer may read what is stored with the delivery (its headers) through the sync
+    core: the async worker enters observers in a greenlet unless all of them say they read nothing, as
+    delayq's delivery log and metrics do (then no greenlet is spent per delivery)."""
+    from prometheus_client import CollectorRegistry
+
+    from delayq import metrics, observe
+
+    seen: list[dict[str, str]] = []
+
+    class Auditor(observe.Observer):
+        def started(self, delivery: Any) -> object:
+            seen.append(delivery.headers)  # a read of the database, through the sync core
+            return None
+
+    async def handle(d: AsyncDelivery, conn: Any) -> None:
+        pass
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        worker = AsyncWorker(engine, [async_handler(queue_name, handle)])
+        await worker.async_queues[queue_name].offer("audited", {"n": 1})
+        assert await worker.run_once() == 1
+        await engine.dispose()
+
+    registry = CollectorRegistry()
+    installed = metrics.register(registry)
+    try:
+        assert not observe.handling(None).reads_database  # type: ignore[arg-type]  # the log and the metrics
+        auditor = Auditor()
+        observe.add(auditor)
+        try:
+            assert observe.handling(None).reads_database  # type: ignore[arg-type]
+            asyncio.run(main())
+        finally:
+            observe.remove(auditor)
+    finally:
+        metrics.unregister(installed, registry)
+    assert seen == [{}]
+
+
 def test_sigterm_lets_the_running_async_handler_finish_and_exits(
     backend: Backend, queue_name: str, tmp_path: Path
 ) -> None:

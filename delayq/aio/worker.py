@@ -495,9 +495,13 @@ class AsyncWorker(Worker):
 
 async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
     """Await the handler's ``call`` inside ``observe.handling``, the delivery log, metrics and tracing
-    hearing of it; entered in a greenlet, since tracing reads the trace context through the sync core."""
+    hearing of it; entered in a greenlet when an observer may read the database through the sync core
+    (tracing reads the trace context), else directly (a greenlet costs 10-20 µs)."""
     observed = observe.handling(delivery)
-    await greenlet_spawn(observed.__enter__)
+    if observed.reads_database:
+        await greenlet_spawn(observed.__enter__)
+    else:
+        observed.__enter__()
     try:
         await call
     except BaseException as exc:
