@@ -8,13 +8,12 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
-from delayq.dialects.types import JsonList
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
 
@@ -170,20 +169,6 @@ class PostgresDialect(Dialect):
         # One array parameter: the statement text stays the same whatever the number of ids,
         # so psycopg prepares it once.
         return column == sa.any_(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)))
-
-    def held_in(self, ids: sa.Column[int], tokens: sa.Column[str]) -> sa.ColumnElement[bool]:
-        # One JSON parameter, as ``id_in``'s array: an expanding IN of pairs is a new statement text
-        # for every number of pairs, which psycopg parses again and never prepares (a worker's acks
-        # and heartbeats come in every size). The plan probes an index per pair.
-        pairs = sa.func.jsonb_array_elements(sa.cast(sa.bindparam("pairs", type_=JsonList), JSONB)).table_valued(
-            sa.column("value", JSONB)
-        )
-        held_id = sa.cast(pairs.c.value.op("->>")(sa.literal_column("0")), sa.BigInteger)
-        held = sa.select(held_id, pairs.c.value.op("->>")(sa.literal_column("1")))
-        # ``id = ANY(ARRAY(…))`` probes the primary key; a probe of the lock index instead would read
-        # every message of the claim per pair (a claim's messages share its token).
-        id_list = sa.func.ARRAY(sa.select(held_id).scalar_subquery(), type_=ARRAY(sa.BigInteger))
-        return sa.and_(ids == sa.any_(id_list), sa.tuple_(ids, tokens).in_(held))
 
     def now_ms(self) -> sa.ColumnElement[int]:
         # statement_timestamp(): one value per statement, unlike clock_timestamp(), and fresh
