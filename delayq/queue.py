@@ -722,18 +722,13 @@ class DelayedQueue:
 
         deliveries: list[Delivery] = []
         dead: list[tuple[int, str, str | None]] = []
-        limit, tag, loads = self.max_deliveries, self.serializer.type_tag, self.serializer.loads
-        for row in rows:  # (the loop runs once per claimed message: what it looks up, it looks up once)
+        limit = self.max_deliveries
+        for row in rows:
             if limit is not None and row.attempts > limit:
                 dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
                 continue
             try:
-                if row.payload_type != tag:
-                    raise self._mismatch(row.key, row.payload_type, None)
-                try:
-                    payload = loads(bytes(row.payload))
-                except (TypeError, ValueError) as exc:
-                    raise self._mismatch(row.key, row.payload_type, exc) from exc
+                payload = self._decode(row.key, row.payload_type, row.payload)
             except SerializationMismatchError as exc:
                 dead.append((row.id, row.lock_token, str(exc)))
                 continue
@@ -764,24 +759,18 @@ class DelayedQueue:
         return deliveries
 
     def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
-        if payload_type != self.serializer.type_tag:
-            raise self._mismatch(key, payload_type, None)
-        try:
-            return self.serializer.loads(bytes(payload))
-        except (TypeError, ValueError) as exc:
-            raise self._mismatch(key, payload_type, exc) from exc
-
-    def _mismatch(self, key: str, payload_type: str, error: Exception | None) -> SerializationMismatchError:
-        """Why message ``key`` cannot be read here: written by another serializer, or undecodable (``error``)."""
         tag = self.serializer.type_tag
-        if error is None:
-            return SerializationMismatchError(
+        if payload_type != tag:
+            raise SerializationMismatchError(
                 f"message {key!r} in queue {self.name!r} was written as {payload_type!r} but this queue "
                 f"reads {tag!r}: use the serializer that wrote it, or cancel the message"
             )
-        return SerializationMismatchError(
-            f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {error}"
-        )
+        try:
+            return self.serializer.loads(bytes(payload))
+        except (TypeError, ValueError) as exc:
+            raise SerializationMismatchError(
+                f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {exc}"
+            ) from exc
 
 
 def _row(params: dict[str, Any], now: int) -> dict[str, Any]:
