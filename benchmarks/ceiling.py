@@ -67,17 +67,16 @@ def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, byt
         f" scheduled_at_initially, created_at, attempts) VALUES "
     )
 
-    if name == "postgresql":  # the statement delayq sends: one array per column
+    if name == "postgresql":  # the statement delayq sends: an array per varying column, sent binary (%b)
         unnest = (
             f"INSERT INTO {table} (queue, key, payload, payload_type, scheduled_at, scheduled_at_initially,"
-            " created_at) SELECT * FROM unnest(%s::varchar[], %s::varchar[], %s::bytea[], %s::varchar[],"
-            f" %s::bigint[], %s::bigint[], %s::bigint[]){conflict} RETURNING key"
+            " created_at) SELECT %s, k, p, %s, s, s, %s FROM unnest(%b::varchar[], %b::bytea[], %b::bigint[])"
+            f" AS new_rows(k, p, s){conflict} RETURNING key"
         )
 
         def run_pg(raw: Raw, items: Sequence[tuple[str, bytes]], now: int) -> None:
-            n = len(items)
             keys, payloads = [k for k, _ in items], [p for _, p in items]
-            raw.cursor().execute(unnest, (["bench"] * n, keys, payloads, ["json"] * n, [now] * n, [now] * n, [now] * n))
+            raw.cursor().execute(unnest, ("bench", "json", now, keys, payloads, [now] * len(items)))
 
         return run_pg
 

@@ -93,6 +93,7 @@ class Runner:
         conn = caller_connection(using)
         try:
             dialect_for(conn.engine).verify()
+            self.dialect.prepare(conn.connection.driver_connection)
             return operation(conn, self.dialect)
         except DBAPIError as exc:
             self._raise_if_schema_missing(exc)
@@ -122,7 +123,9 @@ class Runner:
         """
         with (engine or self.engine).connect() as conn:
             dialect_for(conn.engine).verify()  # the server this connection reached, not the queue's
-            start = self.dialect.owned_start(mode, self.dialect.autocommitting(conn.connection.dbapi_connection))
+            pooled = conn.connection
+            self.dialect.prepare(pooled.driver_connection)
+            start = self.dialect.owned_start(mode, self.dialect.autocommitting(pooled.dbapi_connection))
             if start.autocommit:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
             elif start.commit:

@@ -75,6 +75,16 @@ def test_offer_many_large_batch_spans_chunks(queue: DelayedQueue, engine, queue_
     assert queue.offer_many([]) == []
 
 
+def test_offer_many_keeps_keys_and_bytes_that_array_and_string_literals_would_escape(make_queue) -> None:  # type: ignore[no-untyped-def]
+    # PostgreSQL binds a batch as arrays: quotes, braces, commas, backslashes, NULL-like text and
+    # bytes of every value come back as they went in, through the batch and the claim.
+    queue = make_queue(serializer=BytesSerializer())
+    keys = ['a"b', "{c,d}", "e\\f", "NULL", "()", " ", "ключ", "x'y", "ü"]
+    payloads = [bytes(range(256)), b"", b"\x00", b"\\x41", b'{"a":1}', b"NULL", b"\xff" * 3, b",", b"}"]
+    assert queue.offer_many([(k, p, None) for k, p in zip(keys, payloads, strict=True)]) == [C] * len(keys)
+    assert {d.key: d.payload for d in queue.try_poll_many(20)} == dict(zip(keys, payloads, strict=True))
+
+
 def test_offer_many_of_large_payloads_fits_each_statement_in_a_packet(make_queue) -> None:  # type: ignore[no-untyped-def]
     # 10 MiB in one call: MySQL/MariaDB split the rows over statements of at most 4 MiB of payload,
     # under the server's max_allowed_packet; a key that exists makes its part fall back and no other.

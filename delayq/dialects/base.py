@@ -338,6 +338,10 @@ class Dialect:
         """Whether this driver connection commits every statement by itself (read without a round trip)."""
         return False
 
+    def prepare(self, driver_connection: Any) -> None:
+        """Make a driver connection ready for delayq's statements, before each operation on it
+        (cheap once done). Nothing by default."""
+
     def is_transient(self, exc: DBAPIError) -> bool:
         """True for errors that a retry of the whole transaction can overcome."""
         return bool(exc.connection_invalidated)
@@ -367,7 +371,7 @@ class Dialect:
         key = self.sa_dialect.identifier_preparer.quote("key")
         conflict = f" ON CONFLICT (queue, {key}) DO NOTHING RETURNING {key}"
         sql = values_insert(self.sa_dialect, stmts.tables.messages, len(rows)) + conflict
-        return set(conn.exec_driver_sql(sql, row_values(rows)).scalars())
+        return set(conn.exec_driver_sql(sql, row_values(rows)).scalars().all())
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
