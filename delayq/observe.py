@@ -32,7 +32,7 @@ class Observer:
     """
 
     #: Whether ``started`` or ``finished`` may read the database through delayq's sync core (the
-    #: delivery's ``headers`` or ``attempt_history``, say): the asyncio worker then calls them inside a
+    #: delivery's ``headers`` or ``attempt_history``, say): the asyncio worker then calls both inside a
     #: greenlet. True unless an observer says otherwise; delayq's own log and metrics do not.
     reads_database: ClassVar[bool] = True
 

@@ -299,19 +299,23 @@ CHILD = textwrap.dedent(
 
 
 def test_an_observer_that_reads_the_database_works_under_the_async_worker(backend: Backend, queue_name: str) -> None:
-    """An application's own observer may read what is stored with the delivery (its headers) through the sync
-    core: the async worker enters observers in a greenlet unless all of them say they read nothing, as
-    delayq's delivery log and metrics do (then no greenlet is spent per delivery)."""
+    """An application's own observer may read what is stored with the delivery (its headers, its attempt
+    history) through the sync core, when a handler starts and when it ends: the async worker calls observers
+    in a greenlet unless all of them say they read nothing, as delayq's delivery log and metrics do (then no
+    greenlet is spent per delivery)."""
     from prometheus_client import CollectorRegistry
 
     from delayq import metrics, observe
 
-    seen: list[dict[str, str]] = []
+    seen: list[object] = []
 
     class Auditor(observe.Observer):
         def started(self, delivery: Any) -> object:
             seen.append(delivery.headers)  # a read of the database, through the sync core
             return None
+
+        def finished(self, delivery: Any, state: object, error: BaseException | None, duration: float) -> None:
+            seen.append(delivery.attempt_history)  # another read, after the handler
 
     async def handle(d: AsyncDelivery, conn: Any) -> None:
         pass
@@ -336,7 +340,7 @@ def test_an_observer_that_reads_the_database_works_under_the_async_worker(backen
             observe.remove(auditor)
     finally:
         metrics.unregister(installed, registry)
-    assert seen == [{}]
+    assert seen == [{}, ()]
 
 
 def test_sigterm_lets_the_running_async_handler_finish_and_exits(
