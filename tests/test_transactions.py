@@ -190,3 +190,39 @@ def test_statement_listeners_see_every_statement_of_delayqs_own_operations(
         assert any(s.startswith("DELETE") for s in seen)  # the ack
     finally:
         engine.dispose()
+
+
+def test_a_thread_frozen_in_its_sqlite_writer_turn_delays_the_others_only_for_the_bound(
+    backend: Backend,
+    make_queue,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On SQLite, delayq's own writes from one process take turns on a lock before SQLite's busy wait. A
+    thread that stops inside its turn (frozen in a flush, say) holds the others up for ``WRITER_WAIT`` at
+    most: then they go on to SQLite's own lock, which that thread does not hold, and succeed."""
+    if backend.name != "sqlite":
+        pytest.skip("the writer turn is SQLite's")
+    from delayq.dialects import dialect_for
+    from delayq.dialects import sqlite as sqlite_dialect
+
+    monkeypatch.setattr(sqlite_dialect, "WRITER_WAIT", 0.2)
+    queue = make_queue()
+    entered, thaw = threading.Event(), threading.Event()
+
+    def frozen() -> None:
+        with dialect_for(queue.engine).writer_turn("transaction"):
+            entered.set()
+            thaw.wait(30)
+
+    holder = threading.Thread(target=frozen)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        assert queue.offer("k", 1) is OfferOutcome.CREATED
+        delivery = queue.try_poll()
+        assert delivery is not None and delivery.ack()
+        assert holder.is_alive()  # the writes went on while the frozen thread still held its turn
+    finally:
+        thaw.set()
+        holder.join()
+    assert count_rows(queue.engine, queue.name) == 0
