@@ -549,6 +549,7 @@ class Worker:
     def _stop_acking(self) -> None:
         """End the ack loop (the shutdown acks from here on); a call stuck in it is left to the watchdog."""
         self._acking.set()
+        self._ack_due.set()  # it may be asleep until the next poll
         ack = self._loops.get("ack")
         if ack is not None and ack.ident is not None and ack is not threading.current_thread():
             ack.join(timeout=2.0)

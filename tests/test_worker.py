@@ -149,6 +149,60 @@ def test_a_handler_running_three_visibility_timeouts_keeps_its_lock(
     assert calls == {"slow": 1}
 
 
+def test_a_handler_that_returns_frees_its_slot_for_the_next_due_message_at_once(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """With every slot busy the fetch loop sleeps until a handler returns (the poll interval here is an
+    hour): each return must wake it, whatever the worker was waiting for when it went to sleep, so the
+    messages left start one by one as slots free up."""
+    gates = {f"m{i}": threading.Event() for i in range(6)}
+    started: list[str] = []
+
+    def body(d: Delivery, _: object) -> None:
+        started.append(d.key)
+        gates[d.key].wait(60)
+
+    worker = Worker(
+        engine, [handler_for(queue_name, body)], clock=clock, concurrency=4, poll_interval=dt.timedelta(hours=1)
+    )
+    q = worker.queues[0]
+    q.offer_many([(key, i, None) for i, key in enumerate(gates)])
+    worker.start()
+    try:
+        wait_until(lambda: len(started) == 4, "four handlers to start")
+        for done in range(2):
+            gates[started[done]].set()
+            wait_until(lambda done=done: len(started) == 5 + done, "the next message to start in the freed slot")
+        for gate in gates.values():
+            gate.set()
+        wait_until(lambda: count_rows(engine, queue_name) == 0, "every message acked")
+    finally:
+        for gate in gates.values():
+            gate.set()
+        assert worker.stop()
+    assert sorted(started) == sorted(gates)
+
+
+def test_stop_ends_the_ack_loop_even_while_it_sleeps_for_a_long_poll_interval(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """The ack loop sleeps up to the poll interval between flushes; stop wakes it, flushes and joins it
+    (it used to sleep on, an hour here, and be left behind after a 2 s join)."""
+    handled = threading.Event()
+    worker = Worker(
+        engine, [handler_for(queue_name, lambda d, _: handled.set())], clock=clock, poll_interval=dt.timedelta(hours=1)
+    )
+    worker.queues[0].offer("k", 1)
+    before = set(threading.enumerate())
+    worker.start()
+    try:
+        wait_until(handled.is_set, "the handler to run")
+    finally:
+        assert worker.stop()
+    assert [t.name for t in set(threading.enumerate()) - before if t.name == "delayq-ack" and t.is_alive()] == []
+    assert count_rows(engine, queue_name) == 0
+
+
 @pytest.fixture
 def effects(engine: sa.Engine) -> Iterator[sa.Table]:
     table = sa.Table(
