@@ -295,8 +295,8 @@ def measure_all(engine: sa.Engine, q: DelayedQueue, sizes: Any, measure: Measure
 
 
 # -- peers: pgqueuer and procrastinate ----------------------------------------------------------------
-# ``python -m benchmarks.asyncio --peers``: delayq's AsyncWorker beside pgqueuer's and procrastinate's
-# async workers, one process each, on one PostgreSQL (a database of their own, ``delayq_peers``, so
+# ``python -m benchmarks.asyncio --peers``: delayq's threaded Worker and its AsyncWorker beside pgqueuer's
+# and procrastinate's async workers, one process each, on one PostgreSQL (a database of their own, ``delayq_peers``, so
 # their schemas stay out of the test database). Neither is a dependency of delayq: install them by
 # hand (``pip install pgqueuer procrastinate``); a missing one is skipped. Offers: one per call and
 # 100 per call; drains: a no-op handler, batch (or concurrency) 1 and 100.
@@ -341,14 +341,53 @@ async def delayq_peer(url: str, n: int, batch: int) -> tuple[float, float]:
     worker = AsyncWorker(engine, [Noop], table_prefix=PREFIX, concurrency=batch)
     start = time.perf_counter()
     worker.start()
-    while count(sync_engine) and time.perf_counter() - start < 600:
+    while done < n and time.perf_counter() - start < 600:  # the handlers' own count: no query on the way
         await asyncio.sleep(0.002)
     consumed = n / (time.perf_counter() - start)
     await worker.stop()
-    if done != n:
-        raise LostMessages(f"delayq peer run: {done} of {n} handled")
+    if done != n or count(sync_engine):
+        raise LostMessages(f"delayq peer run: {done} of {n} handled, {count(sync_engine)} left")
     await engine.dispose()
     sync_engine.dispose()
+    return offered, consumed
+
+
+async def delayq_threads_peer(url: str, n: int, batch: int) -> tuple[float, float]:
+    """delayq's threaded ``Worker`` (``concurrency`` = the batch), offers through the sync queue."""
+    return await asyncio.to_thread(_threads_run, url, n, batch)
+
+
+def _threads_run(url: str, n: int, batch: int) -> tuple[float, float]:
+    from delayq import migrations
+
+    migrations.upgrade(url, prefix=PREFIX)
+    engine = sa.create_engine(url, pool_size=20)
+    clear(engine)
+    q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
+    start = time.perf_counter()
+    for b in range(0, n, batch):
+        if batch == 1:
+            q.offer(f"k{b}", {"n": b})
+        else:
+            q.offer_many([(f"k{i}", {"n": i}, None) for i in range(b, min(n, b + batch))])
+    offered = n / (time.perf_counter() - start)
+
+    class Noop(Handler):
+        queue = "bench"
+
+        def handle(self, delivery: Delivery, conn: Any = None) -> None:
+            pass
+
+    worker = Worker(engine, [Noop], table_prefix=PREFIX, concurrency=batch)
+    start = time.perf_counter()
+    worker.start()
+    while worker.handled < n and time.perf_counter() - start < 600:  # the worker's own count
+        time.sleep(0.002)
+    consumed = n / (time.perf_counter() - start)
+    worker.stop()
+    if worker.handled != n or count(engine):
+        raise LostMessages(f"delayq threads peer run: {worker.handled} of {n} handled, {count(engine)} left")
+    engine.dispose()
     return offered, consumed
 
 
@@ -437,6 +476,7 @@ def peers_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     url = peers_url(os.environ.get("DELAYQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
     runs: list[tuple[str, Callable[[str, int, int], Awaitable[tuple[float, float]]]]] = [
+        ("delayq Worker", delayq_threads_peer),
         ("delayq.aio", delayq_peer),
         ("pgqueuer", pgqueuer_peer),
         ("procrastinate", procrastinate_peer),
