@@ -392,13 +392,35 @@ def _threads_run(url: str, n: int, batch: int) -> tuple[float, float]:
 
 
 async def pgqueuer_peer(url: str, n: int, batch: int) -> tuple[float, float]:
+    """pgqueuer on psycopg's async connection (the driver delayq uses)."""
     import psycopg
-    from pgqueuer import PsycopgDriver, Queries, QueueManager
-    from pgqueuer.domain.types import QueueExecutionMode
+    from pgqueuer import PsycopgDriver
 
     dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    driver = PsycopgDriver(conn)
+    try:
+        return await _pgqueuer_run(PsycopgDriver(conn), n, batch)
+    finally:
+        await conn.close()
+
+
+async def pgqueuer_asyncpg_peer(url: str, n: int, batch: int) -> tuple[float, float]:
+    """pgqueuer on asyncpg, the driver its documentation starts with (``pip install asyncpg``)."""
+    import asyncpg
+    from pgqueuer import AsyncpgDriver
+
+    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await _pgqueuer_run(AsyncpgDriver(conn), n, batch)
+    finally:
+        await conn.close()
+
+
+async def _pgqueuer_run(driver: Any, n: int, batch: int) -> tuple[float, float]:
+    from pgqueuer import Queries, QueueManager
+    from pgqueuer.domain.types import QueueExecutionMode
+
     queries = Queries(driver)
     if not await queries.has_table("pgqueuer"):
         await queries.install()
@@ -424,7 +446,6 @@ async def pgqueuer_peer(url: str, n: int, batch: int) -> tuple[float, float]:
     consumed = n / (time.perf_counter() - start)
     if done != n:
         raise LostMessages(f"pgqueuer: {done} of {n} handled")
-    await conn.close()
     return offered, consumed
 
 
@@ -479,6 +500,7 @@ def peers_main(argv: list[str] | None = None) -> int:
         ("delayq Worker", delayq_threads_peer),
         ("delayq.aio", delayq_peer),
         ("pgqueuer", pgqueuer_peer),
+        ("pgqueuer+apg", pgqueuer_asyncpg_peer),
         ("procrastinate", procrastinate_peer),
     ]
     for batch in (1, 100):

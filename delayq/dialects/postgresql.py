@@ -189,10 +189,12 @@ class PostgresDialect(Dialect):
         # psycopg looks dumpers up per connection (copies of the engine's map): teach each of
         # them once to send ``BinaryArray`` values as binary arrays. A connection that missed it
         # still sends them right, as text.
+        adapters = getattr(driver_connection, "adapters", None)
+        if adapters is None:  # not psycopg 3: its own adaptation of a list
+            return
         from psycopg.adapt import PyFormat
         from psycopg.types.array import ListBinaryDumper
 
-        adapters = driver_connection.adapters
         if adapters.get_dumper(_BinaryList, PyFormat.AUTO).format != ListBinaryDumper.format:
             adapters.register_dumper(_BinaryList, ListBinaryDumper)
 
