@@ -267,8 +267,12 @@ class Dialect:
         return column.in_(sa.bindparam("ids", expanding=True))
 
     def held_in(self, ids: sa.Column[int], tokens: sa.Column[str]) -> sa.ColumnElement[bool]:
-        """``(ids, tokens)`` is one of the ``(id, lock token)`` pairs bound as ``:pairs``."""
+        """``(ids, tokens)`` is one of the ``(id, lock token)`` pairs bound by ``held_params``."""
         return sa.tuple_(ids, tokens).in_(sa.bindparam("pairs", expanding=True))
+
+    def held_params(self, pairs: Sequence[tuple[int, str]]) -> dict[str, Any]:
+        """The parameters of ``held_in`` for these ``(id, lock token)`` pairs."""
+        return {"pairs": list(pairs)}
 
     @classmethod
     def starts_with(cls, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
