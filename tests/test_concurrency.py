@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -137,3 +138,52 @@ def test_an_autocommit_engine_still_claims_atomically(
         assert count_rows(engine, queue_name) == 0
     finally:
         engine.dispose()
+
+
+def test_a_batch_claim_frozen_before_its_commit_frees_its_rows_after_the_idle_bound(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer that freezes (or whose network goes silent) between its claim and the COMMIT leaves the
+    claimed rows locked by an open transaction, which the server keeps for as long as the connection seems
+    up. On PostgreSQL the claim's transaction carries an idle bound: the server ends it, and the messages
+    go to the other consumers, each once, instead of waiting for the frozen one."""
+    if backend.name != "postgresql":
+        pytest.skip("PostgreSQL's idle_in_transaction_session_timeout")
+    from delayq.dialects import postgresql as pg
+
+    monkeypatch.setattr(pg, "CLAIM_IDLE_TIMEOUT_S", 0.5)
+    frozen_engine = backend.make_engine()
+    frozen, other = DelayedQueue(frozen_engine, queue_name), DelayedQueue(backend.engine, queue_name)
+    other.offer_many([(f"k{i}", i, None) for i in range(5)])
+    claimed, thaw = threading.Event(), threading.Event()
+
+    def freeze(conn: object, cursor: object, statement: str, *_: object) -> None:
+        if "picked" in statement and "RETURNING" in statement and threading.current_thread().name == "frozen":
+            claimed.set()
+            thaw.wait(30)  # the claim went through; the COMMIT waits
+
+    sa.event.listen(frozen_engine, "after_cursor_execute", freeze)
+    outcome: list[object] = []
+
+    def consume() -> None:
+        try:
+            outcome.append(len(frozen.try_poll_many(5)))
+        except Exception as exc:  # (the retry after the server ended the transaction claims what is left)
+            outcome.append(exc)
+
+    consumer = threading.Thread(target=consume, name="frozen")
+    consumer.start()
+    got: list[str] = []
+    try:
+        assert claimed.wait(10)
+        deadline = time.monotonic() + 30
+        while len(got) < 5 and time.monotonic() < deadline:
+            got += [d.key for d in other.try_poll_many(5)]
+            time.sleep(0.05)
+    finally:
+        thaw.set()
+        consumer.join(30)
+        sa.event.remove(frozen_engine, "after_cursor_execute", freeze)
+        frozen_engine.dispose()
+    assert sorted(got) == [f"k{i}" for i in range(5)]
+    assert outcome == [0]  # its transaction was ended by the server: nothing claimed twice

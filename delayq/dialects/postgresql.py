@@ -23,10 +23,23 @@ if TYPE_CHECKING:
 
     from delayq.topics.statements import TopicStatements
 
-# A batch claim's plan: the due index, never a sort (see ``claim_mode_for``).
-# One simple query (no parameters: psycopg sends it as is), so a batch claim costs one round trip more than
-# its statement and the COMMIT.
-_BEGIN_NO_SORT = "BEGIN; SET LOCAL enable_sort = off"
+CLAIM_IDLE_TIMEOUT_S = 30
+"""Seconds a batch claim's transaction may sit idle on the server before the server ends it (see ``claim_begin``)."""
+
+
+def claim_begin() -> str:
+    """The start of a batch claim's transaction: its plan walks the due index, never a sort (see
+    ``claim_mode_for``); and should its client freeze or its network go silent between the claim and the
+    COMMIT, the server ends the transaction after ``CLAIM_IDLE_TIMEOUT_S`` and the claimed rows, locked
+    until then, are free to claim again (by default it would wait for as long as the connection seems up).
+    One simple query (no parameters: psycopg sends it as is), so a batch claim costs one round trip more
+    than its statement and the COMMIT."""
+    return (
+        "BEGIN; SET LOCAL enable_sort = off;"
+        f" SET LOCAL idle_in_transaction_session_timeout = '{int(CLAIM_IDLE_TIMEOUT_S * 1000)}ms'"
+    )
+
+
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
 # cannot_connect_now, and the connection_exception class.
 _TRANSIENT = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
@@ -177,7 +190,7 @@ class PostgresDialect(Dialect):
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
         # (psycopg switches autocommit without one).
         if mode == "ordered":  # BEGIN and the setting in one round trip; the setting ends with the transaction
-            return OwnedStart(autocommit=not autocommitting, sql=(_BEGIN_NO_SORT,))
+            return OwnedStart(autocommit=not autocommitting, sql=(claim_begin(),))
         if mode != "transaction":
             return OwnedStart(autocommit=not autocommitting, commit=False)
         return OwnedStart(sql=("BEGIN",) if autocommitting else ())
