@@ -438,9 +438,17 @@ def test_an_offer_commit_wakes_the_async_listener(postgres: Backend, queue_name:
     asyncio.run(main())
 
 
-def test_a_silent_connection_is_given_up_after_the_stall_timeout(backend: Backend, queue_name: str) -> None:
+def test_a_silent_connection_is_given_up_after_the_stall_timeout(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if backend.name == "sqlite":
         pytest.skip("no network connection to go silent")
+    # A claim that reached the server just as its connection went silent stays open there, holding the rows
+    # it claimed (seen: 3 of the 5 messages offered after the stall): the server ends it after the claim's
+    # idle bound (docs/internals.md), shortened here to keep the test short.
+    from delayq.dialects import postgresql as pg
+
+    monkeypatch.setattr(pg, "CLAIM_IDLE_TIMEOUT_S", 2.0)
     handled: Counter[str] = Counter()
 
     async def body(d: AsyncDelivery, _: object) -> None:
