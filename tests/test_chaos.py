@@ -84,6 +84,14 @@ def test_a_kill_before_the_first_completion_does_not_explain_a_duplicate() -> No
     assert len(check([*events, final()], VT, 10).dup_unexplained) == 1
 
 
+def test_a_kill_sent_just_before_the_completion_explains_a_duplicate_when_it_landed_after() -> None:
+    # The harness notes t0, sends SIGKILL and waits until the process is gone (t1): the handler may still
+    # return in between, and the message then comes back unacked (seen in CI: 0.3 ms between t0 and the end).
+    events = [offer("p-1", 0), *run_of("p-1", 10, 1, 1, 2.0003), fault("kill", 2.0, 2.01, pid=10)]
+    r = check([*events, *run_of("p-1", 11, 2, 8, 9), final()], VT, 10)
+    assert r.dup_explained == {"killed": 1} and r.ok
+
+
 def test_on_sqlite_any_frozen_worker_cuts_everyone_off() -> None:
     events = [
         offer("p-1", 0),

@@ -209,8 +209,9 @@ class Workers:
             proc = self.procs[slot]
             self.expected.add(proc.pid)
         t0 = time.monotonic()
-        sigkill(proc)
-        self.rec.write({"ev": "fault", "fault": "kill", "slot": slot, "pid": proc.pid, "t0": t0, "t1": t0})
+        sigkill(proc)  # (the process may still run for a moment after t0: it is gone by t1)
+        t1 = time.monotonic()
+        self.rec.write({"ev": "fault", "fault": "kill", "slot": slot, "pid": proc.pid, "t0": t0, "t1": t1})
         self.start(slot)
 
     def freeze(self, slot: int, seconds: float) -> None:

@@ -122,6 +122,7 @@ def check(events: Iterable[Event], vt: float, stuck_after: float, *, freeze_is_o
     """By (pid, token, key): one claim of many messages gives them one token."""
     by_key: dict[str, list[_Run]] = defaultdict(list)
     deaths: dict[int, float] = {}
+    gone_by: dict[int, float] = {}  # when each process that died was surely gone (a kill takes effect in [t0, t1])
     frozen: dict[int, list[tuple[float, float]]] = defaultdict(list)
     outages: list[tuple[float, float]] = []
     lock_lost: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -147,10 +148,12 @@ def check(events: Iterable[Event], vt: float, stuck_after: float, *, freeze_is_o
                     lock_lost[(e["pid"], key)].append(e["t"])
         elif ev == "worker_exit":
             deaths.setdefault(e["pid"], e["t"])
+            gone_by.setdefault(e["pid"], e["t"])
         elif ev == "fault":
             r.faults[e["fault"]] = r.faults.get(e["fault"], 0) + 1
             if e["fault"] == "kill":
                 deaths[e["pid"]] = min(deaths.get(e["pid"], math.inf), e["t0"])
+                gone_by[e["pid"]] = min(gone_by.get(e["pid"], math.inf), e["t1"])
             elif e["fault"] == "freeze":
                 frozen[e["pid"]].append((e["t0"], e["t1"]))
                 if freeze_is_outage:
@@ -228,8 +231,8 @@ def check(events: Iterable[Event], vt: float, stuck_after: float, *, freeze_is_o
             continue  # a transactional message's duplicate is an effect: counted above
         for first, later in itertools.pairwise(completions):
             assert first.end is not None
-            if first.end <= deaths.get(first.pid, math.inf) <= later.start:
-                why = "killed"
+            if first.end <= gone_by.get(first.pid, math.inf) and deaths.get(first.pid, math.inf) <= later.start:
+                why = "killed"  # it completed and died before its ack: a SIGKILL lands a moment after it is sent
             elif any(t > first.end for t in offers[key]):
                 why = "reoffered"
             else:
