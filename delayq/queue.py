@@ -309,16 +309,17 @@ class DelayedQueue:
 
         def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
             stmts = self._statements(dialect)
-            if skip_locked:
-                acked = dialect.delete_held(conn, stmts, dialect.held_params(list(pairs)))
-                if acked == len(pairs):
-                    return acked, set()
-                # What is still ours was row-locked elsewhere (a later ack takes it); the rest is gone.
-                return acked, set(conn.execute(stmts.held_ids, dialect.held_params(list(pairs))).scalars())
-            if len(tokens) == 1:
+            if len(tokens) == 1 and not skip_locked:
                 [token] = tokens
                 return int(conn.execute(stmts.ack, {"token": token, "ids": [i for i, _ in pairs]}).rowcount), set()
-            return int(conn.execute(stmts.ack_pairs, dialect.held_params(list(pairs))).rowcount), set()
+            held = dialect.held_params(list(pairs))
+            if not skip_locked:
+                return int(conn.execute(stmts.ack_pairs, held).rowcount), set()
+            acked = dialect.delete_held(conn, stmts, held)
+            if acked == len(pairs):
+                return acked, set()
+            # What is still ours was row-locked elsewhere (a later ack takes it); the rest is gone.
+            return acked, set(conn.execute(stmts.held_ids, held).scalars())
 
         acked, held = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
@@ -348,11 +349,11 @@ class DelayedQueue:
 
         def op(conn: Connection, dialect: Dialect) -> tuple[dict[int, int], set[int]]:
             stmts = self._statements(dialect)
-            params = {**dialect.held_params(pairs), "by": by_ms, **self._now_param()}
-            expiries = dialect.extend_held(conn, stmts, params)
+            held = dialect.held_params(pairs)
+            expiries = dialect.extend_held(conn, stmts, {**held, "by": by_ms, **self._now_param()})
             if len(expiries) == len(pairs):
                 return expiries, set(expiries)
-            return expiries, set(conn.execute(stmts.held_ids, dialect.held_params(pairs)).scalars())
+            return expiries, set(conn.execute(stmts.held_ids, held).scalars())
 
         expiries, held = self._runner.run(using, op, self._runner.dialect.claim_mode)
         extended, lost = [], []

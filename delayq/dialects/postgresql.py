@@ -267,8 +267,10 @@ class PostgresDialect(Dialect):
         # One NOTIFY for the batch, in the same transaction, rather than one per row.
         first = rows[0]
         shared = {"queue": queue, "payload_type": first["payload_type"], "created_at": first["created_at"]}
-        if any(r["queue"] != queue or r["payload_type"] != shared["payload_type"] for r in rows) or any(
-            r["created_at"] != shared["created_at"] or r["scheduled_at_initially"] != r["scheduled_at"] for r in rows
+        if any(
+            (r["queue"], r["payload_type"], r["created_at"], r["scheduled_at_initially"])
+            != (queue, first["payload_type"], first["created_at"], r["scheduled_at"])
+            for r in rows
         ):
             raise ValueError("insert_many_if_absent takes the rows of one offer: one queue, type and time")
         params = {**shared, **{column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}}

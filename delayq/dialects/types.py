@@ -27,8 +27,8 @@ TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf
 
 
 class JsonList(sa.types.TypeDecorator[Sequence[Any]]):
-    """A list (of ids, or of (id, token) pairs) bound as one JSON array text, for ``json_each`` and
-    ``jsonb_array_elements``: one statement text whatever the list's length."""
+    """A list (of ids, or of (id, token) pairs) bound as one JSON array text, for SQLite's ``json_each``:
+    one statement text whatever the list's length."""
 
     impl = sa.String
     cache_ok = True
