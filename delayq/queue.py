@@ -18,6 +18,7 @@ from delayq import history, observe
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
+    NewRow,
     cancel_prefix_keeping_statement,
     cancel_prefix_statement,
     coalesce_statements,
@@ -177,7 +178,8 @@ class DelayedQueue:
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
         or ``UPDATED`` with ``update=True``).
         """
-        prepared = [self._offer_params(key, payload, at) for key, payload, at in items]
+        serializer = self.serializer
+        prepared = [(check_key(key), encode(serializer, payload), *_due(at)) for key, payload, at in items]
         if not prepared:
             return []
         with observe.offering(self.name, len(prepared)) as headers:
@@ -191,30 +193,33 @@ class DelayedQueue:
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
     def _offer_prepared(
-        self, prepared: list[dict[str, Any]], update: bool, headers: dict[str, str] | None, using: Using
+        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
             now = self._now_ms(conn, stmts)
             outcomes: list[OfferOutcome | None] = [None] * len(prepared)
             first: dict[str, int] = {}
-            for i, p in enumerate(prepared):
-                first.setdefault(p["msg_key"], i)
+            for i, item in enumerate(prepared):
+                first.setdefault(item[0], i)
             firsts = list(first.values())
+            queue, tag = self.name, self.serializer.type_tag
             for start in range(0, len(firsts), OFFER_CHUNK):
                 chunk = firsts[start : start + OFFER_CHUNK]
-                rows = [_row(prepared[i], now) for i in chunk]
-                created = dialect.insert_many_if_absent(conn, stmts, self.name, rows)
+                rows = [_new_row(queue, tag, prepared[i], now) for i in chunk]
+                created = dialect.insert_many_if_absent(conn, stmts, queue, rows)
                 for i in chunk:
-                    if prepared[i]["msg_key"] in created:
+                    if prepared[i][0] in created:
                         outcomes[i] = OfferOutcome.CREATED
-            for i, p in enumerate(prepared):
+            for i, item in enumerate(prepared):
                 if outcomes[i] is None:
                     outcomes[i] = (
-                        self._offer_one(conn, dialect, stmts, p, update=True) if update else OfferOutcome.IGNORED
+                        self._offer_one(conn, dialect, stmts, self._item_params(item), update=True)
+                        if update
+                        else OfferOutcome.IGNORED
                     )
             if headers:
-                done = [p["msg_key"] for p, o in zip(prepared, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
+                done = [item[0] for item, o in zip(prepared, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
             return [o for o in outcomes if o is not None]
@@ -659,11 +664,15 @@ class DelayedQueue:
         return int(conn.execute(stmts.now_select).scalar_one())
 
     def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
-        due_at, due_in = _due(at)
+        return self._item_params((check_key(key), encode(self.serializer, payload), *_due(at)))
+
+    def _item_params(self, item: _Item) -> dict[str, Any]:
+        """The parameters of the one-message offer statements for a validated item."""
+        key, payload, due_at, due_in = item
         return {
             "queue_name": self.name,
-            "msg_key": check_key(key),
-            "payload": encode(self.serializer, payload),
+            "msg_key": key,
+            "payload": payload,
             "payload_type": self.serializer.type_tag,
             "due_at": due_at,
             "due_in": due_in,
@@ -774,18 +783,14 @@ class DelayedQueue:
             ) from exc
 
 
-def _row(params: dict[str, Any], now: int) -> dict[str, Any]:
-    due = params["due_at"] if params["due_at"] is not None else now + params["due_in"]
-    return {
-        "queue": params["queue_name"],
-        "key": params["msg_key"],
-        "payload": params["payload"],
-        "payload_type": params["payload_type"],
-        "scheduled_at": due,
-        "scheduled_at_initially": due,
-        "created_at": now,
-        "attempts": 0,
-    }
+_Item = tuple[str, bytes, int | None, int | None]
+"""An offered message, validated and encoded: (key, payload, due at in epoch ms, or due in ms from now)."""
+
+
+def _new_row(queue: str, payload_type: str, item: _Item, now: int) -> NewRow:
+    key, payload, due_at, due_in = item
+    due = due_at if due_at is not None else now + (due_in or 0)
+    return (queue, key, payload, payload_type, due, due, now, 0)
 
 
 def _due(at: At) -> tuple[int | None, int | None]:

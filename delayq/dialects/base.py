@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -366,7 +365,7 @@ class Dialect:
         return conn.execute(stmts.insert, params).first() is not None
 
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[NewRow]
     ) -> set[str]:
         """Insert rows whose keys are absent; return the keys created, in one round trip.
 
@@ -552,12 +551,15 @@ def values_insert(dialect: sa.Dialect, table: sa.Table, rows: int) -> str:
     return f"INSERT INTO {quote.format_table(table)} ({columns}) VALUES " + ", ".join([row] * rows)
 
 
-_row_columns = operator.itemgetter(*ROW_COLUMNS)
+NewRow = tuple[str, str, bytes, str, int, int, int, int]
+"""A new message's row: its values of ``ROW_COLUMNS``, in that order."""
+NEW_KEY: Final = 1  # ROW_COLUMNS.index("key")
+NEW_PAYLOAD: Final = 2  # ROW_COLUMNS.index("payload")
 
 
-def row_values(rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+def row_values(rows: Sequence[NewRow]) -> tuple[Any, ...]:
     """The parameters of ``values_insert``: each row's ``ROW_COLUMNS``, one row after another."""
-    return tuple(itertools.chain.from_iterable(map(_row_columns, rows)))
+    return tuple(itertools.chain.from_iterable(rows))
 
 
 def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:

@@ -16,9 +16,12 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from delayq.dialects.base import (
+    NEW_KEY,
+    NEW_PAYLOAD,
     ClaimedRow,
     Dialect,
     Mode,
+    NewRow,
     OwnedStart,
     Statements,
     candidate_rows,
@@ -119,7 +122,7 @@ class MySQLDialect(Dialect):
         return True
 
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[NewRow]
     ) -> set[str]:
         # One multi-row INSERT per part, assuming first that no key exists (the common case). A
         # duplicate key fails the whole statement, and InnoDB rolls back just that statement: the
@@ -128,15 +131,15 @@ class MySQLDialect(Dialect):
         created: set[str] = set()
         for part in _parts(rows):
             if self._insert_rows(conn, stmts, part):
-                created.update(r["key"] for r in part)
+                created.update(r[NEW_KEY] for r in part)
                 continue
-            keys = {"queue_name": queue, "keys": [r["key"] for r in part]}
+            keys = {"queue_name": queue, "keys": [r[NEW_KEY] for r in part]}
             existing = set(conn.execute(stmts.existing_keys, keys).scalars())
-            fresh = [r for r in part if r["key"] not in existing]
+            fresh = [r for r in part if r[NEW_KEY] not in existing]
             if fresh and self._insert_rows(conn, stmts, fresh):
-                created.update(r["key"] for r in fresh)
+                created.update(r[NEW_KEY] for r in fresh)
                 continue
-            created.update(r["key"] for r in fresh if self._insert_rows(conn, stmts, [r]))
+            created.update(r[NEW_KEY] for r in fresh if self._insert_rows(conn, stmts, [r]))
         return created
 
     def claim(
@@ -162,7 +165,7 @@ class MySQLDialect(Dialect):
             taken += ids
         return []
 
-    def _insert_rows(self, conn: Connection, stmts: Statements, rows: Sequence[Mapping[str, Any]]) -> bool:
+    def _insert_rows(self, conn: Connection, stmts: Statements, rows: Sequence[NewRow]) -> bool:
         """Insert the rows in one statement; False, inserting none, when a key exists."""
         try:
             conn.exec_driver_sql(values_insert(self.sa_dialect, stmts.tables.messages, len(rows)), row_values(rows))
@@ -253,13 +256,13 @@ MAX_STATEMENT_BYTES = 4 * 1024 * 1024
 """Payload bytes per multi-row INSERT: well under the server's max_allowed_packet (16 MiB by default)."""
 
 
-def _parts(rows: Sequence[Mapping[str, Any]]) -> Iterator[Sequence[Mapping[str, Any]]]:
+def _parts(rows: Sequence[NewRow]) -> Iterator[Sequence[NewRow]]:
     """The rows in runs of at most ``MAX_STATEMENT_BYTES`` of payload (a larger row alone)."""
     start, size = 0, 0
     for i, row in enumerate(rows):
-        size += len(row["payload"])
+        size += len(row[NEW_PAYLOAD])
         if size > MAX_STATEMENT_BYTES and i > start:
             yield rows[start:i]
-            start, size = i, len(row["payload"])
+            start, size = i, len(row[NEW_PAYLOAD])
     if start < len(rows):
         yield rows[start:]

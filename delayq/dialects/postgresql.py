@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, claim_limit
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
 
@@ -259,21 +259,28 @@ class PostgresDialect(Dialect):
         return pg_insert(table).on_conflict_do_nothing(index_elements=["queue", "key"])
 
     def insert_many_if_absent(
-        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, stmts: Statements, queue: str, rows: Sequence[NewRow]
     ) -> set[str]:
         # INSERT ... SELECT FROM unnest of one array per column that varies (key, payload, due
         # time); what one offer shares (queue, payload type, creation time) is bound once. The
         # statement stays small and cached whatever the batch size, instead of 7 parameters per row.
         # One NOTIFY for the batch, in the same transaction, rather than one per row.
-        first = rows[0]
-        shared = {"queue": queue, "payload_type": first["payload_type"], "created_at": first["created_at"]}
-        if any(
-            (r["queue"], r["payload_type"], r["created_at"], r["scheduled_at_initially"])
-            != (queue, first["payload_type"], first["created_at"], r["scheduled_at"])
-            for r in rows
-        ):
-            raise ValueError("insert_many_if_absent takes the rows of one offer: one queue, type and time")
-        params = {**shared, **{column: [row[column] for row in rows] for column in _UNNEST_COLUMNS}}
+        _, _, _, payload_type, _, _, created_at, _ = rows[0]
+        keys, payloads, due = [], [], []
+        for row_queue, key, payload, row_type, scheduled_at, initially, row_created, _ in rows:
+            if (row_queue, row_type, row_created, initially) != (queue, payload_type, created_at, scheduled_at):
+                raise ValueError("insert_many_if_absent takes the rows of one offer: one queue, type and time")
+            keys.append(key)
+            payloads.append(payload)
+            due.append(scheduled_at)
+        params = {
+            "queue": queue,
+            "payload_type": payload_type,
+            "created_at": created_at,
+            "key": keys,
+            "payload": payloads,
+            "scheduled_at": due,
+        }
         created = set(conn.execute(stmts.memo(_insert_unnest), params).scalars().all())
         if created and stmts.notify is not None:
             conn.execute(stmts.notify, {"queue_name": queue})
