@@ -535,6 +535,30 @@ def test_ack_many_acks_each_delivery_by_its_attempt_once(
     assert set(sub.advance_watermarks().values()) == {4}
 
 
+def test_a_poll_queued_behind_a_watermark_advance_never_takes_the_acked_messages_again(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    # A worker's maintenance thread advances the watermarks while its fetch loop polls: the poll's
+    # exclusive fence waits for the advance's lease lock, and must then see the watermark it committed
+    # (the advance forgot the states below it: read as of the fence's start, they looked never delivered).
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(5)])
+    sub = make_sub()
+    sub.rebalance()
+    first = sub.poll(2)
+    assert all(sub.ack(d) for d in first)
+    second: list[Any] = []
+    with engine.connect() as conn:
+        with conn.begin():
+            assert sub.advance_watermarks(using=conn) == {0: 2}  # holds the lease row until the commit
+            poller = threading.Thread(target=lambda: second.extend(sub.poll(10)))
+            poller.start()
+            poller.join(0.5)  # the poll's fence waits for the lock meanwhile
+        poller.join(30)
+    assert [d.message_id for d in first] == ["m0", "m1"]
+    assert [d.message_id for d in second] == ["m2", "m3", "m4"]
+
+
 def test_a_rebalance_releases_idle_partitions_before_busy_ones(
     make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
 ) -> None:

@@ -132,11 +132,13 @@ class TopicStatements:
         # Fencing: a holder's write runs after one of these found its lease (holder and epoch) and
         # locked the row, so a steal (an UPDATE of that row) waits for it, and every write after a
         # steal finds the epoch changed.
-        # The exclusive fence (a poll's, a watermark advance's) also reads the group's watermark of the
-        # partition, which only the exclusive holder writes: one round trip less per partition visited.
+        # The watermark is read by a statement of its own after the exclusive fence, never by the fence:
+        # under READ COMMITTED a statement that waited for the lease lock still reads other rows as of
+        # its start, so a fence queued behind another exclusive holder's watermark advance would read
+        # the old watermark (and take the offsets the advance forgot for never delivered).
         off_key = sa.and_(off.c.consumer_group == group, off.c.topic == topic, off.c.partition == part)
-        mark = sa.select(off.c.acked_offset).where(off_key).scalar_subquery()
-        self.hold_exclusive = sa.select(now.label("now"), mark.label("mark")).where(held).with_for_update()
+        self.watermark = sa.select(off.c.acked_offset).where(off_key)
+        self.hold_exclusive = sa.select(now.label("now")).where(held).with_for_update()
         self.hold_shared = sa.select(now.label("now")).where(held).with_for_update(read=True)
 
         # -- consuming -------------------------------------------------------------------------------

@@ -273,7 +273,7 @@ class Subscription:
                 row = conn.execute(stmts.hold_exclusive, self._fence(key, e)).first()
                 if row is None:
                     return None
-                advanced, _, _ = self._scan(conn, stmts, key, int(row.now), int(row.mark))
+                advanced, _, _ = self._scan(conn, stmts, key, int(row.now))
                 return advanced
 
             found = self.ctx.runner.run(using, op, "transaction")
@@ -454,10 +454,12 @@ class Subscription:
         return bury(conn, stmts, self.ctx.now_param(), key, message, attempts, error)
 
     def _scan(
-        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int, mark: int
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int
     ) -> tuple[int, list[int], dict[int, Any]]:
-        """Advance the partition's watermark (``mark``, as the exclusive fence read it) past its contiguous
-        done messages; return it, the offsets scanned above it and their delivery states."""
+        """Advance the partition's watermark past its contiguous done messages; return it, the offsets
+        scanned above it and their delivery states. Call it after the exclusive fence: its first statement
+        reads the watermark as the last exclusive holder committed it (the fence's own snapshot may be older)."""
+        mark = int(conn.execute(stmts.watermark, key).scalar_one())
         offsets = [
             int(o)
             for o in conn.execute(stmts.offsets_after, {**key, "after": mark, "limit": self.scan_limit}).scalars()
@@ -488,7 +490,7 @@ class Subscription:
         if held is None:
             return None
         now = int(held.now)
-        _, offsets, states = self._scan(conn, stmts, key, now, int(held.mark))
+        _, offsets, states = self._scan(conn, stmts, key, now)
         fresh: list[int] = []
         again: dict[int, int] = {}
         doomed: dict[int, tuple[int, str | None]] = {}
