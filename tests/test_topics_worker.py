@@ -114,7 +114,7 @@ def test_a_worker_runs_a_queue_handler_and_a_topic_handler_together(
     topic.publish_many([(f"key{i % 3}", f"t{i}", i) for i in range(10)])
     worker.start()
     try:
-        wait_until(lambda: worker.handled == 20, "both handlers' messages")
+        wait_until(lambda: worker.handled >= 20, "both handlers' messages")
         health = worker.health()
         assert set(health.loops) >= {"fetch", "heartbeat", "topics"} and health.healthy
     finally:
@@ -148,7 +148,7 @@ def test_strict_serialization_keeps_each_partitions_order_with_concurrency(
     topic.publish_many([(k, f"{k}-{i}", i) for i in range(10) for k in keys])
     worker.start()
     try:
-        wait_until(lambda: worker.handled == 40, "every message")
+        wait_until(lambda: worker.handled >= 40, "every message")
     finally:
         assert worker.stop()
     assert overlaps == []
