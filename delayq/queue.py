@@ -178,8 +178,7 @@ class DelayedQueue:
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
         or ``UPDATED`` with ``update=True``).
         """
-        serializer = self.serializer
-        prepared = [(check_key(key), encode(serializer, payload), *_due(at)) for key, payload, at in items]
+        prepared = [self._item(key, payload, at) for key, payload, at in items]
         if not prepared:
             return []
         with observe.offering(self.name, len(prepared)) as headers:
@@ -664,7 +663,11 @@ class DelayedQueue:
         return int(conn.execute(stmts.now_select).scalar_one())
 
     def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
-        return self._item_params((check_key(key), encode(self.serializer, payload), *_due(at)))
+        return self._item_params(self._item(key, payload, at))
+
+    def _item(self, key: str, payload: Any, at: At) -> _Item:
+        """An offered message validated and encoded; raises on bad input before anything is sent."""
+        return check_key(key), encode(self.serializer, payload), *_due(at)
 
     def _item_params(self, item: _Item) -> dict[str, Any]:
         """The parameters of the one-message offer statements for a validated item."""

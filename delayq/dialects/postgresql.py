@@ -228,10 +228,7 @@ class PostgresDialect(Dialect):
         # the lock-token index finds the rows with one probe per token, a plan that stays the
         # cheapest where the statistics say the table is empty (a probe per id does not).
         held = _unnest("held", ("held_ids", sa.BigInteger()), ("held_tokens", sa.String()))
-        return sa.and_(
-            tokens == sa.any_(_array("held_token_set", sa.String())),
-            sa.tuple_(ids, tokens).in_(sa.select(held.c.held_ids, held.c.held_tokens)),
-        )
+        return sa.and_(_held_token(tokens), sa.tuple_(ids, tokens).in_(sa.select(held.c.held_ids, held.c.held_tokens)))
 
     def held_params(self, pairs: Sequence[tuple[int, str]]) -> dict[str, Any]:
         tokens = [t for _, t in pairs]
@@ -360,7 +357,7 @@ def _extend_held_statement(stmts: Statements) -> sa.Update:
     m, picked = stmts.tables.messages, _picked_held(stmts)
     return (
         sa.update(m)
-        .where(m.c.id == picked.c.id, _held_token(m))
+        .where(m.c.id == picked.c.id, _held_token(m.c.lock_token))
         .values(scheduled_at=stmts.extended_expiry)
         .returning(m.c.id, m.c.scheduled_at)
     )
@@ -368,12 +365,13 @@ def _extend_held_statement(stmts: Statements) -> sa.Update:
 
 def _delete_held_statement(stmts: Statements) -> sa.Delete:
     m, picked = stmts.tables.messages, _picked_held(stmts)
-    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m))
+    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m.c.lock_token))
 
 
-def _held_token(m: sa.Table) -> sa.ColumnElement[bool]:
-    """The rows of the tokens held (``held_in``): the join back to the picked rows goes through their index."""
-    return m.c.lock_token == sa.any_(_array("held_token_set", sa.String()))
+def _held_token(tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+    """The token is one of the held pairs' distinct tokens (``held_params``): a probe of the lock-token index
+    per token, for ``held_in`` and for the join back to the picked rows."""
+    return tokens == sa.any_(_array("held_token_set", sa.String()))
 
 
 def _claim_statement(stmts: Statements, limit: int) -> sa.Update:
