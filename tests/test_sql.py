@@ -10,9 +10,9 @@ from conftest import Backend
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from delayq.dialects import Dialect, dialect_class
-from delayq.dialects.base import claim_candidates
 from delayq.dialects.mysql import _due_ids, _lock_due_by_id
 from delayq.dialects.postgresql import _claim_statement
+from delayq.dialects.sqlite import _lock_taken, _take_due
 from delayq.schema import make_tables
 
 SA_DIALECTS = {"postgresql": postgresql.dialect(), "mysql": mysql.dialect(), "sqlite": sqlite.dialect()}
@@ -27,11 +27,11 @@ def sql(name: str, pick: str) -> str:
     sa_dialect = SA_DIALECTS[name]
     dialect: Dialect = dialect_class(name)(sa_dialect)
     stmts = dialect.statements(make_tables(), False, True)  # as DelayedQueue makes them: notify on
-    built = {"claim": _claim_statement, "claim_candidates": claim_candidates, "due_ids": _due_ids}
+    built = {"claim": _claim_statement if name == "postgresql" else _take_due, "due_ids": _due_ids}
     if pick in built:
         stmt = stmts.memo(built[pick], 10)
-    elif pick == "lock_due_by_id":
-        stmt = stmts.memo(_lock_due_by_id)
+    elif pick in ("lock_due_by_id", "lock_taken"):
+        stmt = stmts.memo(_lock_due_by_id if pick == "lock_due_by_id" else _lock_taken)
     else:
         stmt = getattr(stmts, pick)
     text = str(stmt.compile(dialect=sa_dialect)).replace(NOW[name], "<now>")
@@ -98,13 +98,13 @@ EXPECTED = {
             "scheduled_at_initially, created_at, attempts) VALUES (?, ?, ?, ?, coalesce(?, <now> + ?), "
             'coalesce(?, <now> + ?), <now>, ?) ON CONFLICT (queue, "key") DO NOTHING RETURNING id, queue'
         ),
-        "claim_candidates": (
-            'SELECT delayq_messages.id, delayq_messages."key", delayq_messages.payload, '
-            "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
-            "delayq_messages.created_at, delayq_messages.scheduled_at_initially, <now> AS now FROM "
-            "delayq_messages WHERE delayq_messages.queue = ? AND delayq_messages.scheduled_at <= <now> ORDER "
-            "BY delayq_messages.scheduled_at, delayq_messages.id LIMIT 10 OFFSET ?"
+        "claim": (
+            "UPDATE delayq_messages SET lock_token=?, attempts=(delayq_messages.attempts + ?) WHERE "
+            "delayq_messages.id IN (SELECT due.id FROM delayq_messages AS due WHERE due.queue = ? AND "
+            "due.scheduled_at <= <now> ORDER BY due.scheduled_at, due.id LIMIT 10 OFFSET ?) RETURNING id, "
+            '"key", payload, payload_type, scheduled_at, attempts, created_at, scheduled_at_initially, <now> AS now'
         ),
+        "lock_taken": "UPDATE delayq_messages SET scheduled_at=? WHERE delayq_messages.lock_token = ?",
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
             "(SELECT anon_1.value FROM json_each(?) AS anon_1)"

@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 
 S = TypeVar("S")
 
-Mode = Literal["read", "statement", "scan", "transaction", "ordered"]
+Mode = Literal["read", "statement", "scan", "transaction", "writes", "ordered"]
 """What one of delayq's own operations does, so that its transaction starts right: only reads; one write
 statement by primary or unique key; one write statement that may scan rows it leaves alone (an ack by a
-list of ids, a delete by key prefix); several statements; or one statement that must walk an index in
-its order whatever the table's statistics say (a batch claim: PostgreSQL runs it with sorting off)."""
+list of ids, a delete by key prefix); several statements; several statements of which the first writes
+(SQLite's claim: no ``BEGIN IMMEDIATE`` needed); or one statement that must walk an index in its order
+whatever the table's statistics say (a batch claim: PostgreSQL runs it with sorting off)."""
 
 
 class ClaimedRow(NamedTuple):
@@ -380,13 +381,10 @@ class Dialect:
     def claim(
         self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
     ) -> list[ClaimedRow]:
-        """Lock up to ``params['limit']`` due messages for this consumer.
-
-        The shared shape: SELECT the due rows FOR UPDATE SKIP LOCKED (with "now"), then one
-        UPDATE by id, in the same transaction.
-        """
-        candidates = stmts.memo(claim_candidates, params["limit"])
-        return self.mark_claimed(conn, stmts, params, conn.execute(candidates, params).all(), visibility_ms)
+        """Lock up to ``params['limit']`` due messages of ``params['queue_name']`` with ``params['token']``
+        for ``visibility_ms``, oldest due first, and return them as they were due. Each backend has its
+        own shape (docs/internals.md, "the claim"); it runs in the transaction ``claim_mode_for`` begins."""
+        raise NotImplementedError
 
     def mark_claimed(
         self, conn: Connection, stmts: Statements, params: Mapping[str, Any], rows: Sequence[Any], visibility_ms: int
@@ -511,18 +509,6 @@ def candidate_rows(stmts: Statements) -> sa.Select[Any]:
         m.c.created_at,
         m.c.scheduled_at_initially,
         stmts.now.label("now"),
-    )
-
-
-def claim_candidates(stmts: Statements, limit: int) -> sa.Select[Any]:
-    """The first ``limit`` due messages of ``:queue_name``, with "now", FOR UPDATE SKIP LOCKED."""
-    m = stmts.tables.messages
-    return (
-        candidate_rows(stmts)
-        .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
-        .order_by(m.c.scheduled_at, m.c.id)
-        .limit(claim_limit(limit))
-        .with_for_update(skip_locked=True)
     )
 
 

@@ -191,7 +191,7 @@ class PostgresDialect(Dialect):
         # (psycopg switches autocommit without one).
         if mode == "ordered":  # BEGIN and the setting in one round trip; the setting ends with the transaction
             return OwnedStart(autocommit=not autocommitting, sql=(claim_begin(),))
-        if mode != "transaction":
+        if mode in ("read", "statement", "scan"):
             return OwnedStart(autocommit=not autocommitting, commit=False)
         return OwnedStart(sql=("BEGIN",) if autocommitting else ())
 

@@ -1,8 +1,9 @@
 """SQLite, the embedded default: one writer at a time, so the claim needs no SKIP LOCKED.
 
-Every library-owned transaction of several statements starts with ``BEGIN IMMEDIATE``: a deferred
-transaction that reads and then writes fails with "database is locked" at once, whatever the busy
-timeout. One write statement takes the write lock as it starts, waiting for it as long as the busy
+A library-owned transaction of several statements that may read before it writes starts with
+``BEGIN IMMEDIATE``: a deferred transaction that reads and then writes fails with "database is
+locked" at once, whatever the busy timeout. A transaction whose first statement writes (one write,
+or the claim) takes the write lock as that statement starts, waiting for it as long as the busy
 timeout allows, so it needs no ``BEGIN IMMEDIATE``.
 """
 
@@ -16,9 +17,10 @@ from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import Dialect, Mode, OwnedStart
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
 from delayq.dialects.types import JsonList
 from delayq.errors import UnsupportedDatabaseError
 
@@ -47,6 +49,45 @@ class _Turn:
     def __exit__(self, *exc: object) -> None:
         if self._held:
             self._lock.release()
+
+
+def _take_due(stmts: Statements, limit: int) -> sa.Update:
+    """Mark the first ``limit`` due messages of ``:queue_name`` with ``:token`` (an attempt more) and return
+    them as ``candidate_rows`` reads them: still with their due time, the attempts counted, and "now"."""
+    m = stmts.tables.messages
+    due = m.alias("due")
+    picked = (
+        sa.select(due.c.id)
+        .where(due.c.queue == sa.bindparam("queue_name", type_=sa.String), due.c.scheduled_at <= stmts.now)
+        .order_by(due.c.scheduled_at, due.c.id)
+        .limit(claim_limit(limit))
+    )
+    return (
+        sa.update(m)
+        .where(m.c.id.in_(picked))
+        .values(lock_token=sa.bindparam("token", type_=sa.String), attempts=m.c.attempts + 1)
+        .returning(
+            m.c.id,
+            m.c.key,
+            m.c.payload,
+            m.c.payload_type,
+            m.c.scheduled_at,
+            m.c.attempts,
+            m.c.created_at,
+            m.c.scheduled_at_initially,
+            stmts.now.label("now"),
+        )
+    )
+
+
+def _lock_taken(stmts: Statements) -> sa.Update:
+    """Set the lock's expiry (``:locked_until``) of the messages a claim marked with ``:token``."""
+    m = stmts.tables.messages
+    return (
+        sa.update(m)
+        .where(m.c.lock_token == sa.bindparam("token", type_=sa.String))
+        .values(scheduled_at=sa.bindparam("locked_until", type_=sa.BigInteger))
+    )
 
 
 def _errorcode(exc: DBAPIError) -> int:
@@ -102,13 +143,39 @@ class SQLiteDialect(Dialect):
         return contextlib.nullcontext() if mode == "read" else _Turn(self._writers)
 
     def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
-        # A read opens no transaction (sqlite3 begins one before data changes only). One write
-        # statement ("statement", "scan") is the first of its transaction: it takes the write lock
-        # as it starts (with the busy timeout), so sqlite3's implicit deferred BEGIN is enough and
-        # saves a statement. Several statements may read before they write: BEGIN IMMEDIATE.
+        # A read opens no transaction (sqlite3 begins one before data changes only). A transaction
+        # whose first statement writes ("statement", "scan", "writes") takes the write lock as that
+        # statement starts (with the busy timeout), so sqlite3's implicit deferred BEGIN is enough and
+        # saves a statement. Several statements that may read before they write, or several on a
+        # connection in autocommit (sqlite3 then begins nothing): BEGIN IMMEDIATE.
         if mode == "read":
             return OwnedStart(commit=False)
-        return OwnedStart() if mode in ("statement", "scan") else OwnedStart(sql=("BEGIN IMMEDIATE",))
+        if mode in ("statement", "scan") or (mode == "writes" and not autocommitting):
+            return OwnedStart()
+        return OwnedStart(sql=("BEGIN IMMEDIATE",))
+
+    def claim_mode_for(self, limit: int) -> Mode:
+        return "writes"  # the claim begins with its UPDATE (see ``claim``)
+
+    def claim(
+        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+    ) -> list[ClaimedRow]:
+        # Two statements, the first a write: it takes the write lock as it starts, so no other
+        # writer runs until the commit. The first marks the due rows with this claim's token and
+        # returns them while they still carry their due time (SQLite's RETURNING gives the values
+        # after the UPDATE, and may return them in any order); the second sets the lock's expiry,
+        # found by the token's index. One statement (and, for an async driver, three thread hops)
+        # less than a BEGIN IMMEDIATE, a SELECT and an UPDATE by id.
+        taken = conn.execute(stmts.memo(_take_due, params["limit"]), params).all()
+        if not taken:
+            return []
+        locked_until, token = taken[0].now + visibility_ms, params["token"]
+        conn.execute(stmts.memo(_lock_taken), {"token": token, "locked_until": locked_until})
+        rows = sorted(taken, key=lambda r: (r.scheduled_at, r.id))  # oldest due first, as the pick ordered them
+        return [
+            ClaimedRow(msg_id, key, payload, payload_type, due, locked_until, attempts, created, initially, token)
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, _ in rows
+        ]
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return dbapi_connection.isolation_level is None
