@@ -10,12 +10,17 @@ Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local servic
 SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
 consume run checks that each message was delivered exactly once and the queue ended empty;
 a benchmark that loses or duplicates a message fails instead of printing a figure.
+
+Where a row ends with ``cpu X / Y µs/msg``: the CPU time this process spent per message for delayq and
+for the ceiling (every thread; on SQLite the database's own work too). Unlike the rates it hardly
+moves with what else the machine runs, and it shows where a gap is the client's work.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import statistics
@@ -27,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import sqlalchemy as sa
 
@@ -81,6 +87,8 @@ class Figure:
     p99_ms: float | None = None
     runs: list[float] = field(default_factory=list)
     run_ratios: list[float] = field(default_factory=list)  # delayq / ceiling within each run
+    cpu_us: float | None = None  # this process's CPU per message (SQLite's own work included), median of runs
+    ceiling_cpu_us: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -92,6 +100,41 @@ class Figure:
 
 class LostMessages(AssertionError):
     pass
+
+
+T = TypeVar("T")
+
+
+CPU_RUNS: list[tuple[float, float]] = []
+"""(delayq, ceiling) CPU seconds per message of each run of the scenario being measured; ``measure``
+empties it before a scenario and reports it after (scenarios that measure it append to it)."""
+
+
+class CpuTally:
+    """The process's CPU time (``time.process_time``: every thread, and SQLite's own work) spent in
+    the blocks timed with ``add``, for delayq and for the ceiling apart."""
+
+    def __init__(self) -> None:
+        self.ours = self.theirs = 0.0
+
+    def timed(self, ours: bool, fn: Callable[[], object]) -> float:
+        """``fn()``'s wall seconds (``ceiling.timed``), its CPU added to one side."""
+        return self.add(ours, lambda: ceiling.timed(fn))
+
+    def add(self, ours: bool, fn: Callable[[], T]) -> T:
+        start = time.process_time()
+        try:
+            return fn()
+        finally:
+            spent = time.process_time() - start
+            if ours:
+                self.ours += spent
+            else:
+                self.theirs += spent
+
+    def report(self, n: int) -> None:
+        """Record the run's CPU per message (n messages each side) in ``CPU_RUNS``."""
+        CPU_RUNS.append((self.ours / n, self.theirs / n))
 
 
 def make_engine(backend: str, tmp: Path | None = None) -> sa.Engine:
@@ -156,11 +199,13 @@ def offer_single(engine: sa.Engine, q: DelayedQueue, n: int) -> tuple[float, flo
     offer = ceiling.offer_one(engine.dialect.name, TABLE)
     ours: list[float] = []
     theirs = 0.0
+    cpu = CpuTally()
     for i in range(n):
-        ours.append(ceiling.timed(lambda i=i: q.offer(f"s{i}", {"n": i})))
-        theirs += ceiling.timed(lambda i=i: offer(raw, f"r{i}", PAYLOAD))
+        ours.append(cpu.timed(True, functools.partial(q.offer, f"s{i}", {"n": i})))
+        theirs += cpu.timed(False, functools.partial(offer, raw, f"r{i}", PAYLOAD))
     raw.close()
     assert count(engine) == 2 * n
+    cpu.report(n)
     return n / sum(ours), n / theirs, ours
 
 
@@ -170,13 +215,16 @@ def offer_batches(engine: sa.Engine, q: DelayedQueue, n: int, size: int = 500) -
     offer = ceiling.offer_batch(engine.dialect.name, TABLE)
     ours: list[float] = []
     theirs = 0.0
+    cpu = CpuTally()
     for b in range(0, n, size):
         batch = range(b, min(n, b + size))
-        ours.append(ceiling.timed(lambda batch=batch: q.offer_many([(f"b{i}", {"n": i}, None) for i in batch])))
-        now = int(time.time() * 1000)
-        theirs += ceiling.timed(lambda batch=batch, now=now: offer(raw, [(f"r{i}", PAYLOAD) for i in batch], now))
+        items = [(f"b{i}", {"n": i}, None) for i in batch]
+        ours.append(cpu.timed(True, functools.partial(q.offer_many, items)))
+        rows = [(f"r{i}", PAYLOAD) for i in batch]
+        theirs += cpu.timed(False, functools.partial(offer, raw, rows, int(time.time() * 1000)))
     raw.close()
     assert count(engine) == 2 * n
+    cpu.report(n)
     return n / sum(ours), n / theirs, ours
 
 
@@ -228,6 +276,7 @@ def consume(
     raws = [ceiling.connect(engine, autocommit=engine.dialect.name == "postgresql") for _ in range(consumers)]
     lock = threading.Lock()
     ours_time = theirs_time = 0.0
+    cpu = CpuTally()
     for _ in range(ROUNDS):
         if stale:
             analyze_empty(engine)
@@ -240,7 +289,7 @@ def consume(
                 with lock:
                     delivered.update(d.key for d in got)
 
-        ours_time += run_threads(consumers, ours)
+        ours_time += cpu.add(True, lambda: run_threads(consumers, ours))
         check_exactly_once(engine, expected, delivered, "delayq")
 
         if stale:
@@ -253,13 +302,14 @@ def consume(
                 with lock:
                     delivered.update(keys)
 
-        theirs_time += run_threads(consumers, theirs)
+        theirs_time += cpu.add(False, lambda: run_threads(consumers, theirs))
         check_exactly_once(engine, expected, delivered, "ceiling")
     for raw in raws:
         raw.close()
     if stale:
         fresh_statistics(engine)
     done = ROUNDS * (n // ROUNDS)
+    cpu.report(done)
     return done / ours_time, done / theirs_time
 
 
@@ -380,6 +430,7 @@ def worker_drain(
     raw = ceiling.connect(engine, autocommit=engine.dialect.name == "postgresql") if ceiling_batch else None
     rounds = ROUNDS if ceiling_batch else 1
     ours_time = theirs_time = 0.0
+    cpu = CpuTally()
     for _ in range(rounds):
         expected = fill(q, n // rounds)
         delivered: Counter[str] = Counter()
@@ -399,12 +450,16 @@ def worker_drain(
             )
             for _ in range(workers)
         ]
-        start = time.perf_counter()
-        for w in pool:
-            w.start()
-        while sum(w.handled for w in pool) < len(expected) and time.perf_counter() - start < 600:
-            time.sleep(0.002)
-        ours_time += time.perf_counter() - start
+
+        def drain(pool: list[Worker] = pool, expected: set[str] = expected) -> float:
+            start = time.perf_counter()
+            for w in pool:
+                w.start()
+            while sum(w.handled for w in pool) < len(expected) and time.perf_counter() - start < 600:
+                time.sleep(0.002)
+            return time.perf_counter() - start
+
+        ours_time += cpu.add(True, drain)
         for w in pool:
             w.stop()
         check_exactly_once(engine, expected, delivered, f"worker drain x{workers}")
@@ -416,11 +471,13 @@ def worker_drain(
                 while keys := claim(raw, ceiling_batch):
                     delivered.update(keys)
 
-            theirs_time += run_threads(1, theirs)
+            theirs_time += cpu.add(False, lambda: run_threads(1, theirs))
             check_exactly_once(engine, expected, delivered, "ceiling")
     if raw is not None:
         raw.close()
     done = rounds * (n // rounds)
+    if theirs_time:
+        cpu.report(done)
     return done / ours_time, (done / theirs_time if theirs_time else None), []
 
 
@@ -458,7 +515,11 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
     def measure(scenario: str, fn: Callable[[], tuple[float, float | None, list[float]]]) -> None:
         if not selected(scenario, only):
             return
+        CPU_RUNS.clear()
         figure = median_figure(backend, scenario, [fn() for _ in range(sizes.repeat)])
+        if CPU_RUNS:
+            figure.cpu_us = statistics.median(r[0] for r in CPU_RUNS) * 1e6
+            figure.ceiling_cpu_us = statistics.median(r[1] for r in CPU_RUNS) * 1e6
         figures.append(figure)
         print_row(figure)
 
@@ -548,8 +609,11 @@ def print_row(f: Figure, ceiling_label: str = "ceiling") -> None:
     ours = f"{f.delayq:9.0f}" if f.delayq >= 10 else f"{f.delayq:9.2f}"  # slow events (topics: settle times)
     lat = f"  p50 {f.p50_ms:6.2f} ms  p99 {f.p99_ms:6.2f} ms" if f.p50_ms is not None else ""
     spread = f"  (runs {min(f.run_ratios):.2f}-{max(f.run_ratios):.2f})" if len(f.run_ratios) > 1 else ""
+    cpu = ""
+    if f.cpu_us is not None and f.ceiling_cpu_us is not None:
+        cpu = f"  cpu {f.cpu_us:.1f} / {f.ceiling_cpu_us:.1f} µs/msg"
     print(
-        f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{spread}{lat}",
+        f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{spread}{lat}{cpu}",
         flush=True,
     )
 
