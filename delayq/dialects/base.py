@@ -496,10 +496,11 @@ def set_heads_case(stmts: TopicStatements, slots: int) -> sa.Update:
     )
 
 
-def candidate_rows(stmts: Statements) -> sa.Select[Any]:
-    """SELECT what ``Dialect.mark_claimed`` needs of a message about to be claimed, and "now"."""
+def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:
+    """What a claim reads of a message about to be claimed (in this order: ``Dialect.mark_claimed`` and
+    SQLite's claim unpack them by position), and "now"."""
     m = stmts.tables.messages
-    return sa.select(
+    return (
         m.c.id,
         m.c.key,
         m.c.payload,
@@ -510,6 +511,11 @@ def candidate_rows(stmts: Statements) -> sa.Select[Any]:
         m.c.scheduled_at_initially,
         stmts.now.label("now"),
     )
+
+
+def candidate_rows(stmts: Statements) -> sa.Select[Any]:
+    """SELECT the ``candidate_columns``."""
+    return sa.select(*candidate_columns(stmts))
 
 
 ROW_COLUMNS = (

@@ -20,7 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, claim_limit
+from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, candidate_columns, claim_limit
 from delayq.dialects.types import JsonList
 from delayq.errors import UnsupportedDatabaseError
 
@@ -53,7 +53,7 @@ class _Turn:
 
 def _take_due(stmts: Statements, limit: int) -> sa.Update:
     """Mark the first ``limit`` due messages of ``:queue_name`` with ``:token`` (an attempt more) and return
-    them as ``candidate_rows`` reads them: still with their due time, the attempts counted, and "now"."""
+    their ``candidate_columns``: still with their due time, the attempts counted, and "now"."""
     m = stmts.tables.messages
     due = m.alias("due")
     picked = (
@@ -66,17 +66,7 @@ def _take_due(stmts: Statements, limit: int) -> sa.Update:
         sa.update(m)
         .where(m.c.id.in_(picked))
         .values(lock_token=sa.bindparam("token", type_=sa.String), attempts=m.c.attempts + 1)
-        .returning(
-            m.c.id,
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at,
-            m.c.attempts,
-            m.c.created_at,
-            m.c.scheduled_at_initially,
-            stmts.now.label("now"),
-        )
+        .returning(*candidate_columns(stmts))
     )
 
 
