@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from conftest import Backend, count_rows
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from delayq import DelayedQueue, OfferOutcome
+from delayq import DelayedQueue, ManualClock, OfferOutcome
 
 
 class Base(DeclarativeBase):
@@ -77,6 +77,33 @@ def test_claim_in_a_callers_transaction_is_undone_by_its_rollback(queue: Delayed
         conn.rollback()
     d = queue.try_poll()
     assert d is not None and d.attempts == 1
+
+
+def test_a_claim_that_fails_at_its_last_statement_leaves_every_message_as_it_was(
+    backend: Backend, queue_name: str, clock: ManualClock
+) -> None:
+    """A claim of several statements is one transaction: when the statement that sets the locks' expiry
+    fails (SQLite's second UPDATE, MariaDB's UPDATE by id, PostgreSQL's claim), what the earlier ones
+    wrote (SQLite: the token and the attempt) is undone, and the next claim counts its attempt as the first."""
+    engine = backend.make_engine()
+    queue = DelayedQueue(engine, queue_name, clock=clock)
+    queue.offer_many([("a", 1, None), ("b", 2, None)])
+    armed = [True]
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def fail_lock_expiry(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if armed and "SET scheduled_at" in statement and "lock_token" in statement:
+            armed.clear()
+            raise sa.exc.OperationalError(statement, {}, RuntimeError("injected: the lock's expiry failed"))
+
+    try:
+        with pytest.raises(sa.exc.OperationalError, match="injected"):
+            queue.try_poll_many(2)
+        assert not armed  # the fault fired
+        assert all(m is not None and not m.locked and m.attempts == 0 for m in (queue.get("a"), queue.get("b")))
+        assert sorted((d.key, d.attempts) for d in queue.try_poll_many(2)) == [("a", 1), ("b", 1)]
+    finally:
+        engine.dispose()
 
 
 def _lock_wait_engine(backend: Backend) -> sa.Engine:
