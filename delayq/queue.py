@@ -198,9 +198,10 @@ class DelayedQueue:
             stmts = self._statements(dialect)
             now = self._now_ms(conn, stmts)
             outcomes: list[OfferOutcome | None] = [None] * len(prepared)
+            keys = [key for key, *_ in prepared]
             first: dict[str, int] = {}
-            for i, item in enumerate(prepared):
-                first.setdefault(item[0], i)
+            for i, key in enumerate(keys):
+                first.setdefault(key, i)
             firsts = list(first.values())
             queue, tag = self.name, self.serializer.type_tag
             for start in range(0, len(firsts), OFFER_CHUNK):
@@ -208,7 +209,7 @@ class DelayedQueue:
                 rows = [_new_row(queue, tag, prepared[i], now) for i in chunk]
                 created = dialect.insert_many_if_absent(conn, stmts, queue, rows)
                 for i in chunk:
-                    if prepared[i][0] in created:
+                    if keys[i] in created:
                         outcomes[i] = OfferOutcome.CREATED
             for i, item in enumerate(prepared):
                 if outcomes[i] is None:
@@ -218,7 +219,7 @@ class DelayedQueue:
                         else OfferOutcome.IGNORED
                     )
             if headers:
-                done = [item[0] for item, o in zip(prepared, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
+                done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
             return [o for o in outcomes if o is not None]
