@@ -6,6 +6,7 @@ fenced leases, polls, and acks, nacks or extends ``TopicDelivery`` objects. ``To
 topic's consumer that the ``Worker`` runs beside queue handlers (``delayq.topics.consumer``).
 """
 
+from delayq.topics.dead_letters import TopicDeadLetter
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
 from delayq.topics.handler import TopicHandler
 from delayq.topics.names import DLQ_SUFFIX, dead_letter_topic, partition_for
@@ -21,6 +22,7 @@ __all__ = [
     "PartitionLag",
     "Subscription",
     "Topic",
+    "TopicDeadLetter",
     "TopicDelivery",
     "TopicHandler",
     "TopicSummary",

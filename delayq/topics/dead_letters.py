@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 from delayq.browse import show_payload
 from delayq.clock import from_ms
 from delayq.errors import InvalidInputError
-from delayq.schema import MAX_MESSAGE_ID_LENGTH, TopicTables
+from delayq.schema import MAX_GROUP_LENGTH, MAX_LOG_ID_LENGTH, MAX_MESSAGE_ID_LENGTH, MAX_TOPIC_LENGTH, TopicTables
 from delayq.serializers import Serializer
 from delayq.topics.names import (
     check_group,
@@ -32,8 +32,11 @@ from delayq.topics.names import (
     partition_for,
 )
 from delayq.topics.statements import ACKED, TopicStatements
-from delayq.topics.topic import append, append_offsets
+from delayq.topics.topic import append, append_offsets, ensure_topic
 
+DEAD_AGAIN = "~dead-"
+"""The tail of a dead letter's second id, ``{group}:{id}~dead-{original offset}`` (``dead_letter_id``)."""
+_DEAD_ID_ROOM = MAX_LOG_ID_LENGTH - MAX_GROUP_LENGTH - len(":") - len(DEAD_AGAIN) - len(str(2**63 - 1))
 REQUEUED = "~requeue-"
 """A requeued message's id is ``{id}~requeue-{n}``, ``n`` its dead letter's offset in ``{topic}_dlq``."""
 _REQUEUED_TAIL = re.compile(re.escape(REQUEUED) + r"[0-9]+\Z")
@@ -53,37 +56,81 @@ def bury(
     """Mark the group's delivery of ``message`` dead and append it to ``{topic}_dlq``, in the caller's transaction.
 
     The delivery's status changes first, by compare-and-swap on its attempt count: when that finds
-    nothing (acked or delivered again since), nothing is appended. The dead letter's id is
-    ``{group}:{message id}``, so each group's failure of a message is a row of its own; appending it
-    twice (after a retried commit) finds the first and adds nothing. Returns whether it was moved.
+    nothing (acked or delivered again since), nothing is appended, so a retried commit appends
+    nothing twice. The dead letter's id is ``dead_letter_id``'s; the append's outcome is checked, and
+    one whose id an earlier dead letter holds is appended under the id naming the original offset.
+    Returns whether it was moved; ``InvalidInputError`` (before anything is written) when the
+    topic's name leaves no room for a dead-letter topic.
     """
+    topic = key["topic_name"]
+    dlq = dead_letter_topic(topic)
+    if len(dlq) > MAX_TOPIC_LENGTH:
+        raise InvalidInputError(
+            f"topic {topic!r} has no dead-letter topic ({dlq!r} would be over {MAX_TOPIC_LENGTH} characters): "
+            "ack or nack the message instead"
+        )
     marked = conn.execute(
         stmts.bury, {**key, "offset": message.message_offset, "attempt_no": attempts, "error": error}
     ).rowcount
     if marked != 1:
         return False
-    dlq = dead_letter_topic(key["topic_name"])
-    conn.execute(stmts.create_head, {"topic_name": dlq, "part": key["part"]})
-    now = conn.execute(stmts.now, now_param).scalar_one()
-    append(
-        conn,
-        stmts,
-        now_param,
-        dlq,
-        [(key["part"], message.partition_key, f"{key['group']}:{message.message_id}", bytes(message.payload))],
-        message.payload_type,
-        extra=[
-            {
-                "original_topic": key["topic_name"],
-                "original_offset": message.message_offset,
-                "failed_group": key["group"],
-                "failed_at": int(now),
-                "failure_count": attempts,
-                "last_error": error,
-            }
-        ],
-    )
+    now = int(conn.execute(stmts.now, now_param).scalar_one())
+    if conn.execute(stmts.partitions, {"topic_name": dlq}).scalar() is None:
+        # A dead letter of a dead letter whose subscriber did not create it (max_attempts=None): a whole topic.
+        ensure_topic(conn, stmts, dlq, int(conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one()), now)
+    else:
+        conn.execute(stmts.create_head, {"topic_name": dlq, "part": key["part"]})
+    group, offset = key["group"], int(message.message_offset)
+    extra = {
+        "original_topic": topic,
+        "original_offset": offset,
+        "failed_group": group,
+        "failed_at": now,
+        "failure_count": attempts,
+        "last_error": error,
+    }
+    for again in (False, True):
+        dead_id = dead_letter_id(group, message.message_id, offset, again=again)
+        if dead_id is None:
+            continue
+        item = (key["part"], message.partition_key, dead_id, bytes(message.payload))
+        if append(conn, stmts, now_param, dlq, [item], message.payload_type, extra=[extra])[0]:
+            return True
+    # Both ids taken: the second names this group and this offset, so it is this message's dead letter from
+    # an earlier incarnation of the group (dropped and created again), unless somebody published it by hand.
+    same = conn.execute(
+        stmts.dead_letter_of,
+        {"topic_name": dlq, "part": key["part"], "group": group, "original_offset": offset, "original_topic": topic},
+    ).first()
+    if same is None:
+        raise InvalidInputError(
+            f"cannot dead-letter offset {offset} of {topic}[{key['part']}]: its dead-letter ids are taken in {dlq!r} "
+            "by messages that are not its dead letters"
+        )
     return True
+
+
+def dead_letter_id(group: str, message_id: str, original_offset: int, *, again: bool) -> str | None:
+    """A dead letter's id in ``{topic}_dlq``: ``{group}:{message_id}`` first (None when it does not fit the
+    column: a dead letter of a dead letter with long names); ``again``, when an earlier dead letter holds
+    that one (the id was published again after the log was collected),
+    ``{group}:{message_id cut to 175 characters}~dead-{original offset}``, which always fits.
+
+    Offsets of a partition are never given out twice and a partition key has one partition, so
+    the second id is unique per group and message.
+    """
+    first = f"{group}:{message_id}"
+    if not again:
+        return first if len(first) <= MAX_LOG_ID_LENGTH else None
+    return f"{group}:{message_id[:_DEAD_ID_ROOM]}{DEAD_AGAIN}{original_offset}"
+
+
+def original_id(dead_id: str, group: str, original_offset: int) -> str:
+    """The id a dead letter's message was published under (cut to 175 characters when its dead letter's id
+    had to be): ``dead_letter_id`` undone."""
+    found = _unprefixed(dead_id, group)
+    tail = f"{DEAD_AGAIN}{original_offset}"
+    return found[: -len(tail)] if found.endswith(tail) else found
 
 
 # -- the operator's view ---------------------------------------------------------------------------------
@@ -98,7 +145,8 @@ class TopicDeadLetter:
     """Its offset in ``{topic}_dlq`` (the same partition as the original)."""
     partition_key: str
     message_id: str
-    """The id it was published under (the dead letter's own id is ``{group}:{message_id}``)."""
+    """The id it was published under (the dead letter's own id is ``{group}:{message_id}``, or
+    ``{group}:{message_id}~dead-{original_offset}`` with the id cut to 175 characters: see ``dead_letter_id``)."""
     original_offset: int
     failed_at: dt.datetime
     failure_count: int
@@ -106,9 +154,12 @@ class TopicDeadLetter:
     payload_type: str
     payload: Any
     """Decoded by the topic's serializer when written by its kind; else as ``delayq.browse.show_payload`` shows it."""
+    original_topic: str
+    """The topic it was published on (``{original_topic}_dlq`` holds the dead letter)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "original_topic": self.original_topic,
             "group": self.group,
             "partition": self.partition,
             "offset": self.offset,
@@ -152,10 +203,15 @@ class Selection:
         if self.group is not None:
             found.append(log.c.failed_group == self.group)
         if self.message_id is not None:
-            if self.group is not None:
-                found.append(log.c.message_id == f"{self.group}:{self.message_id}")
-            else:
-                found.append(log.c.message_id == log.c.failed_group + ":" + self.message_id)
+            # Either of its ids (``dead_letter_id``): the first, or the second with its original offset.
+            group: Any = log.c.failed_group if self.group is None else sa.literal(self.group, sa.String)
+            again = group + (":" + self.message_id[:_DEAD_ID_ROOM] + DEAD_AGAIN)
+            found.append(
+                sa.or_(
+                    log.c.message_id == group + (":" + self.message_id),
+                    log.c.message_id == again + sa.cast(log.c.original_offset, sa.String),
+                )
+            )
         return found
 
 
@@ -172,6 +228,7 @@ def list_dead(
             log.c.message_id,
             log.c.payload,
             log.c.payload_type,
+            log.c.original_topic,
             log.c.original_offset,
             log.c.failed_group,
             log.c.failed_at,
@@ -188,13 +245,14 @@ def list_dead(
             partition=int(r.partition),
             offset=int(r.message_offset),
             partition_key=r.partition_key,
-            message_id=_unprefixed(r.message_id, r.failed_group),
+            message_id=original_id(r.message_id, r.failed_group, int(r.original_offset)),
             original_offset=int(r.original_offset),
             failed_at=from_ms(int(r.failed_at)),
             failure_count=int(r.failure_count),
             last_error=r.last_error,
             payload_type=r.payload_type,
             payload=_shown(serializer, r.payload_type, bytes(r.payload)),
+            original_topic=r.original_topic,
         )
         for r in conn.execute(query)
     ]
@@ -213,15 +271,15 @@ def dead_offsets(
     return [(int(r.partition), int(r.message_offset)) for r in conn.execute(query)]
 
 
-def requeued_id(dead_id: str, group: str, dead_offset: int) -> str:
-    """The id a dead letter is published again under: its original id (an earlier requeue's tail
-    replaced) with ``~requeue-{its offset in the dead-letter topic}``, cut to fit 200 characters.
+def requeued_id(dead_id: str, group: str, original_offset: int, dead_offset: int) -> str:
+    """The id a dead letter is published again under: its original id (``original_id``; an earlier requeue's
+    tail replaced) with ``~requeue-{its offset in the dead-letter topic}``, cut to fit 200 characters.
 
     Offsets in a partition of the dead-letter topic are never given out twice and a key has one
     partition, so two dead letters never get the same id, and one dead letter always gets the same:
     a requeue whose commit is retried finds its message there and publishes nothing twice.
     """
-    base = _REQUEUED_TAIL.sub("", _unprefixed(dead_id, group))
+    base = _REQUEUED_TAIL.sub("", original_id(dead_id, group, original_offset))
     tail = f"{REQUEUED}{dead_offset}"
     return base[: MAX_MESSAGE_ID_LENGTH - len(tail)] + tail
 
@@ -237,7 +295,9 @@ def requeue(
     """Publish the given dead letters again on ``topic`` and delete them, in the caller's transaction.
 
     Each goes to its own group only: a delivery state "acked" is written for every other group
-    that reads the partition, so their watermarks pass it. A dead letter whose group no longer reads
+    that subscribes to the partition, so their watermarks pass it (none for a group with watermarks and
+    no leases, a Spark query's: it reads the log by offsets, and nothing would ever forget the state).
+    A dead letter whose group no longer reads
     the topic (its ``topic_offsets`` rows deleted), or whose new id is taken, stays where it is.
     Returns how many were requeued.
     """
@@ -256,14 +316,17 @@ def requeue(
     # Every head first, in ascending order as publishers lock them (appends by payload kind lock them again).
     conn.execute(stmts.lock_heads, {"topic_name": topic, "parts": targets, **now_param}).all()
     readers: dict[int, set[str]] = {}
+    subscribed: dict[int, set[str]] = {}
     for reader in conn.execute(stmts.readers, {"topic_name": topic, "parts": targets}):
         readers.setdefault(int(reader.partition), set()).add(reader.consumer_group)
+        if reader.subscribed:
+            subscribed.setdefault(int(reader.partition), set()).add(reader.consumer_group)
     by_kind: dict[str, list[tuple[int, Any, tuple[int, str, str, bytes]]]] = {}
     for dead_part, r in rows:
         part = partition_for(r.partition_key, partitions)
         if r.failed_group not in readers.get(part, ()):
             continue
-        new_id = requeued_id(r.message_id, r.failed_group, int(r.message_offset))
+        new_id = requeued_id(r.message_id, r.failed_group, int(r.original_offset), int(r.message_offset))
         by_kind.setdefault(r.payload_type, []).append((dead_part, r, (part, r.partition_key, new_id, bytes(r.payload))))
     states: list[dict[str, Any]] = []
     removed: dict[int, list[int]] = {}
@@ -275,7 +338,7 @@ def requeue(
             states += [
                 {"consumer_group": g, "topic": topic, "partition": part, "message_offset": offset}
                 | {"status": ACKED, "invisible_until": 0, "attempts": 0}
-                for g in sorted(readers[part] - {r.failed_group})
+                for g in sorted(subscribed.get(part, set()) - {r.failed_group})
             ]
             removed.setdefault(dead_part, []).append(int(r.message_offset))
     if states:

@@ -242,9 +242,28 @@ class TopicStatements:
 
         # -- dead letters (an operator's requeue and purge) ----------------------------------------------
         parts: Any = sa.bindparam("parts", expanding=True)
-        # The groups reading partitions of a topic (by the (topic, partition) index of topic_offsets).
-        self.readers = sa.select(off.c.consumer_group, off.c.partition).where(
-            off.c.topic == topic, off.c.partition.in_(parts)
+        # The groups reading partitions of a topic (by the (topic, partition) index of topic_offsets), and
+        # whether each subscribes (has a lease row; a Spark query's group has watermarks only).
+        self.readers = (
+            sa.select(off.c.consumer_group, off.c.partition, le.c.consumer_group.is_not(None).label("subscribed"))
+            .select_from(
+                off.outerjoin(
+                    le,
+                    sa.and_(
+                        le.c.consumer_group == off.c.consumer_group,
+                        le.c.topic == off.c.topic,
+                        le.c.partition == off.c.partition,
+                    ),
+                )
+            )
+            .where(off.c.topic == topic, off.c.partition.in_(parts))
+        )
+        # A group's dead letter of a message, whatever its id (``dead_letters.bury``, when both ids are taken).
+        self.dead_letter_of = sa.select(log.c.message_offset).where(
+            log_part,
+            log.c.failed_group == group,
+            log.c.original_topic == _s("original_topic"),
+            log.c.original_offset == _bp("original_offset"),
         )
         # Their leases, locked as a poll's fence locks one: the polls of these partitions wait for the
         # removal of dead letters, and see it whole.
