@@ -173,6 +173,15 @@ class TopicStatements:
             dl_part, dl.c.message_offset > _bp("after"), dl.c.message_offset <= _bp("upto")
         )
         self.forget_states = sa.delete(dl).where(dl_part, dl.c.message_offset <= _bp("upto"))
+        # A group's states of partitions it has no watermark of: left by a group whose topic_offsets rows
+        # were deleted; ``join`` deletes them before it creates the group's rows again.
+        self.forget_orphan_states = sa.delete(dl).where(
+            dl.c.consumer_group == group,
+            dl.c.topic == topic,
+            dl.c.partition.not_in(
+                sa.select(off.c.partition).where(off.c.consumer_group == group, off.c.topic == topic)
+            ),
+        )
         self.messages = sa.select(
             log.c.message_offset,
             log.c.partition_key,

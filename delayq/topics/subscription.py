@@ -127,6 +127,7 @@ class Subscription:
             g = {"group": self.group, "topic_name": self.topic}
             if conn.execute(stmts.group_partitions, g).scalar_one() < partitions:
                 heads = conn.execute(stmts.heads_for_group, g).all()  # locked: ordered with garbage collection
+                conn.execute(stmts.forget_orphan_states, g)  # a group created again inherits no states
                 conn.execute(
                     stmts.create_offset,
                     [
