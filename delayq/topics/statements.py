@@ -286,6 +286,11 @@ class TopicStatements:
             .order_by(le.c.consumer_group, le.c.partition)
             .with_for_update()
         )
+        # -- dropping a group (``Topic.drop_group``): leases first, as its polls lock them --------------
+        self.drop_leases = sa.delete(le).where(group_leases)
+        self.drop_offsets = sa.delete(off).where(off.c.consumer_group == group, off.c.topic == topic)
+        self.drop_states = sa.delete(dl).where(dl.c.consumer_group == group, dl.c.topic == topic)
+        self.drop_subscribers = sa.delete(sub).where(sub.c.consumer_group == group, sub.c.topic == topic)
         self.remove = sa.delete(log).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
 
     # The operations whose shape differs per backend (``Dialect.topic_*``).

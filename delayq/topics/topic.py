@@ -17,6 +17,7 @@ from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer, encode
 from delayq.topics.context import TopicContext
 from delayq.topics.names import (
+    check_group,
     check_message_id,
     check_partition_key,
     check_partitions,
@@ -162,6 +163,29 @@ class Topic:
         for partition, _ in self.ctx.runner.run(using, find, "read"):
             deleted += self.ctx.runner.run(using, functools.partial(self._collect, partition=partition), "transaction")
         return deleted
+
+    def drop_group(self, group: str, *, using: Using = None) -> bool:
+        """Remove consumer group ``group`` from this topic: its leases, watermarks, delivery states and
+        subscribers, in one transaction. Returns whether it had any of them.
+
+        Garbage collection stops waiting for it. Stop its subscribers first: one still running holds
+        nothing any more (its acks and polls change nothing), and when it joins again (a restart) the
+        group starts anew, where its ``start`` says. Its dead letters stay in ``{name}_dlq`` (purge them,
+        or requeue them once the group reads the topic again).
+        """
+        check_group(group)
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            stmts = self.ctx.stmts(dialect)
+            g = {"group": group, "topic_name": self.name}
+            # The leases first: a poll or an ack of the group locks its lease row, then the other rows.
+            found = [
+                int(conn.execute(statement, g).rowcount)
+                for statement in (stmts.drop_leases, stmts.drop_offsets, stmts.drop_states, stmts.drop_subscribers)
+            ]
+            return any(found)
+
+        return self.ctx.runner.run(using, op, "transaction")
 
     # -- dead letters ---------------------------------------------------------------------------
     # (delayq.topics.dead_letters builds on ``append`` below: imported where used.)

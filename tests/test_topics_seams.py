@@ -1,0 +1,340 @@
+"""Where topic features meet (issue 29): dead letters, garbage collection and republished ids, groups that
+go and come back, names too long for a dead letter of a dead letter, dropping a group, and requeues
+beside Spark groups. Every test runs on every backend and checks a history: each message published is
+acked or dead-lettered exactly once per group, none lost."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend
+
+from delayq import InvalidInputError, ManualClock, OfferOutcome
+from delayq.schema import MAX_LOG_ID_LENGTH, make_tables
+from delayq.topics import (
+    Subscription,
+    Topic,
+    TopicDeadLetter,
+    TopicDelivery,
+    dead_letter_topic,
+    group_lag,
+    list_topics,
+)
+
+SECOND = dt.timedelta(seconds=1)
+
+
+@pytest.fixture
+def topic_name() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def make_topic(engine: sa.Engine, topic_name: str, clock: ManualClock) -> Callable[..., Topic]:
+    def make(partitions: int = 1, name: str | None = None) -> Topic:
+        topic = Topic(engine, name or topic_name, clock=clock)
+        topic.create(partitions)
+        return topic
+
+    return make
+
+
+@pytest.fixture
+def make_sub(engine: sa.Engine, topic_name: str, clock: ManualClock) -> Callable[..., Subscription]:
+    def make(group: str = "g", name: str = "s1", **kwargs: Any) -> Subscription:
+        kwargs.setdefault("lease_duration", 30 * SECOND)
+        kwargs.setdefault("visibility_timeout", 60 * SECOND)
+        sub = Subscription(engine, kwargs.pop("topic", topic_name), group, name, clock=clock, **kwargs)
+        sub.rebalance()
+        return sub
+
+    return make
+
+
+def rows(engine: sa.Engine, table: str, topic: str, group: str | None = None) -> int:
+    t = getattr(make_tables().topics, table)
+    where = [t.c.topic == topic]
+    if group is not None:
+        where.append(t.c.consumer_group == group)
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(t).where(*where)).scalar_one())
+
+
+def dead_ids(engine: sa.Engine, topic: str) -> list[str]:
+    log = make_tables().topics.log
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(log.c.message_id)
+                .where(log.c.topic == dead_letter_topic(topic))
+                .order_by(log.c.message_offset)
+            ).scalars()
+        )
+
+
+def give_up(how: str, sub: Subscription, clock: ManualClock, d: TopicDelivery) -> None:
+    """Make ``sub``'s group give up on ``d`` (its only attempt): by ``fail``, by a nack of its last
+    attempt, or by a poll that finds it timed out after its last attempt."""
+    if how == "fail":
+        assert d.fail("bad order")
+    elif how == "nack":
+        assert d.nack(error="bad order")
+    else:
+        clock.advance(120 * SECOND)  # past the visibility timeout
+        assert sub.poll(10) == []  # the poll dead-letters it
+
+
+# -- row 1: a republished id's dead letter lands -----------------------------------------------------------
+@pytest.mark.parametrize("how", ["fail", "nack", "timeout"])
+def test_a_republished_id_failed_again_is_dead_lettered_again(
+    make_topic: Callable[..., Topic],
+    make_sub: Callable[..., Subscription],
+    clock: ManualClock,
+    engine: sa.Engine,
+    how: str,
+) -> None:
+    topic = make_topic(1)
+    sub = make_sub("billing", max_attempts=1)
+    history: dict[int, list[str]] = {}  # original offset -> what became of it for billing
+
+    for round_ in range(3):
+        assert topic.publish("k", "order-1", {"round": round_}) is OfferOutcome.CREATED
+        [d] = sub.poll(10)
+        assert d.payload == {"round": round_}
+        give_up(how, sub, clock, d)
+        history.setdefault(d.offset, []).append("dead")
+        sub.advance_watermarks()
+        assert topic.collect_garbage() == 1  # so the id can be published again
+
+    dead = topic.dead_letters(group="billing")
+    assert sorted(dl.original_offset for dl in dead) == sorted(history)  # each failure landed once
+    assert all(v == ["dead"] for v in history.values())
+    assert {dl.message_id for dl in dead} == {"order-1"}
+    assert sorted(dl.payload["round"] for dl in dead) == [0, 1, 2]
+    assert len(set(dead_ids(engine, topic.name))) == 3
+    assert len(topic.dead_letters(group="billing", message_id="order-1")) == 3
+    # Each is requeued on its own, under an id of its own, and delivered to billing again.
+    assert topic.requeue_dead(group="billing", message_id="order-1") == 3
+    sub.advance_watermarks()
+    again = sub.poll(10)
+    assert sorted(d.payload["round"] for d in again) == [0, 1, 2]
+    assert len({d.message_id for d in again}) == 3
+
+
+def test_a_dead_letter_of_a_long_id_republished_fits_its_column(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock, engine: sa.Engine
+) -> None:
+    topic = make_topic(1)
+    group, mid = "g" * 100, "m" * 200
+    sub = make_sub(group, max_attempts=1)
+    for _ in range(2):
+        assert topic.publish("k", mid, 1) is OfferOutcome.CREATED
+        [d] = sub.poll(10)
+        assert d.fail("no")
+        sub.advance_watermarks()
+        topic.collect_garbage()
+    ids = dead_ids(engine, topic.name)
+    assert len(set(ids)) == 2 and all(len(i) <= MAX_LOG_ID_LENGTH for i in ids)
+    assert len(topic.dead_letters(group=group, message_id=mid)) == 2
+
+
+# -- row 8: a group created again starts clean -------------------------------------------------------------
+def _delete_offsets(engine: sa.Engine, topic: str, group: str) -> None:
+    off = make_tables().topics.offsets
+    with engine.begin() as conn:
+        conn.execute(sa.delete(off).where(off.c.topic == topic, off.c.consumer_group == group))
+
+
+@pytest.mark.parametrize("how", ["offsets deleted", "drop_group"])
+def test_a_group_created_again_inherits_no_delivery_state(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine, how: str
+) -> None:
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(4)])
+    old = make_sub("g", max_attempts=3)
+    got = old.poll(10)
+    assert [d.payload for d in got] == [0, 1, 2, 3]
+    assert got[1].ack() and got[2].nack(dt.timedelta(hours=1), "later")  # acked and waiting above the watermark
+    old.close()
+    if how == "drop_group":
+        assert topic.drop_group("g")
+    else:
+        _delete_offsets(engine, topic.name, "g")
+
+    new = make_sub("g", name="s2", max_attempts=3)  # the group again, from the oldest retained message
+    again = new.poll(10)
+    assert [(d.payload, d.attempts) for d in again] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert new.ack_many(again) == [True] * 4
+    assert new.advance_watermarks() == {0: 4}
+
+
+# -- row 9: names that do not fit, and a poll never wedged on one message -----------------------------------
+def test_a_dead_letter_of_a_dead_letter_with_long_names_fits(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock, engine: sa.Engine
+) -> None:
+    topic = make_topic(1)
+    first, second = "a" * 60, "b" * 60  # 60 + 60 > 99: g2:g1:id would not fit the id column
+    mid = "m" * 200
+    topic.publish("k", mid, "x")
+    sub = make_sub(first, max_attempts=1)
+    [d] = sub.poll(10)
+    assert d.fail("first")
+    dlq = dead_letter_topic(topic.name)
+    audit = make_sub(second, topic=dlq, max_attempts=1)
+    [dd] = audit.poll(10)
+    assert dd.message_id == f"{first}:{mid}"
+    assert dd.fail("second")  # was: DataError (PostgreSQL, MariaDB), or an id longer than its column (SQLite)
+    ids = dead_ids(engine, dlq)
+    assert len(ids) == 1 and len(ids[0]) <= MAX_LOG_ID_LENGTH and ids[0].startswith(f"{second}:")
+    [letter] = Topic(engine, dlq, clock=clock).dead_letters()
+    assert (letter.group, letter.original_topic, letter.original_offset) == (second, dlq, dd.offset)
+
+
+def test_a_poll_that_dead_letters_a_message_with_a_long_id_is_not_wedged(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock, engine: sa.Engine
+) -> None:
+    topic = make_topic(1)
+    first, second = "a" * 60, "b" * 60
+    topic.publish_many([("k", "m" * 200, "x"), ("k", "short", "y")])
+    sub = make_sub(first, max_attempts=1)
+    assert all(d.fail("first") for d in sub.poll(10))
+    audit = make_sub(second, topic=dead_letter_topic(topic.name), max_attempts=1)
+    assert len(audit.poll(10)) == 2
+    clock.advance(120 * SECOND)  # both time out after their last attempt: the next poll dead-letters them
+    for _ in range(3):
+        assert audit.poll(10) == []  # was: DataError on every poll of the partition
+    assert audit.advance_watermarks() == {0: 2}
+    assert len(Topic(engine, dead_letter_topic(topic.name), clock=clock).dead_letters(group=second)) == 2
+
+
+def test_fail_on_a_topic_with_no_room_for_a_dead_letter_topic_is_refused_up_front(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    base = f"t-{uuid.uuid4().hex[:12]}".ljust(96, "x")
+    topic = make_topic(1, name=base)
+    topic.publish("k", "m", 1)
+    sub = make_sub("g", max_attempts=1, topic=base)
+    [d] = sub.poll(10)
+    assert d.fail("no")
+    dlq = dead_letter_topic(base)  # 100 characters: its own dead-letter topic would not fit
+    with pytest.raises(InvalidInputError, match="max_attempts=None"):
+        Subscription(engine, dlq, "audit", "a1")
+    audit = make_sub("audit", topic=dlq, max_attempts=None)
+    [dd] = audit.poll(10)
+    with pytest.raises(InvalidInputError, match="no dead-letter topic"):
+        dd.fail("no")
+    assert rows(engine, "heads", dead_letter_topic(dlq)) == 0  # was: a head row on SQLite
+    assert dd.ack()  # nothing was written: the delivery is still there to ack
+    assert audit.advance_watermarks() == {0: 1}
+
+
+def test_a_dead_letter_topic_of_a_dead_letter_topic_is_created_whole(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    topic = make_topic(3)
+    topic.publish("k", "m", 1)
+    sub = make_sub("g", max_attempts=1)
+    assert all(d.fail("no") for d in sub.poll(10))
+    dlq = dead_letter_topic(topic.name)
+    audit = make_sub("audit", topic=dlq, max_attempts=None)  # does not create {dlq}_dlq when joining
+    assert rows(engine, "heads", dead_letter_topic(dlq)) == 0
+    [dd] = audit.poll(10)
+    assert dd.fail("no")
+    summary = {t.topic: t for t in list_topics(engine)}
+    assert summary[dead_letter_topic(dlq)].partitions == 3  # a topic, not a lone head row
+    assert rows(engine, "heads", dead_letter_topic(dlq)) == 3
+
+
+# -- also: dropping a group ---------------------------------------------------------------------------------
+def test_drop_group_removes_its_rows_and_lets_garbage_collection_move_on(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    topic = make_topic(2)
+    topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(6)])
+    fast, slow = make_sub("fast"), make_sub("slow")
+    assert all(fast.ack_many(fast.poll(10)))
+    fast.advance_watermarks()
+    held = slow.poll(2)
+    assert topic.collect_garbage() == 0  # slow holds collection back
+    assert topic.drop_group("slow")
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, topic.name, "slow") == 0
+    assert group_lag(engine, topic.name, "slow") == []
+    assert topic.collect_garbage() == 6
+    assert not topic.drop_group("slow")  # gone already
+    # Its subscriber, still running, changes nothing and gets nothing.
+    assert [d.ack() for d in held] == [False] * len(held)
+    assert slow.poll(10) == []
+    assert rows(engine, "deliveries", topic.name, "slow") == 0
+    with pytest.raises(InvalidInputError):
+        topic.drop_group("no spaces")
+
+
+def test_dead_letters_carry_their_original_topic(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
+) -> None:
+    topic = make_topic(1)
+    topic.publish("k", "m", 1)
+    sub = make_sub("g", max_attempts=1)
+    [d] = sub.poll(10)
+    assert d.fail("no")
+    [letter] = topic.dead_letters()
+    assert isinstance(letter, TopicDeadLetter)
+    assert letter.original_topic == topic.name and letter.as_dict()["original_topic"] == topic.name
+
+
+# -- also: requeues beside a Spark group ---------------------------------------------------------------------
+def test_a_requeue_leaves_no_state_for_a_spark_group(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(3)])
+    t = make_tables().topics
+    with engine.begin() as conn:  # a Spark streaming query's group: watermarks only, moved by its commits
+        conn.execute(
+            sa.insert(t.offsets).values(
+                consumer_group="spark", topic=topic.name, partition=0, acked_offset=3, updated_at=0
+            )
+        )
+    sub = make_sub("billing", max_attempts=1)
+    [first, *rest] = sub.poll(10)
+    assert first.fail("no") and all(sub.ack_many(rest))
+    assert topic.requeue_dead(everything=True) == 1
+    assert rows(engine, "deliveries", topic.name, "spark") == 0  # was: an acked state nobody ever forgets
+    [again] = sub.poll(10)
+    assert again.ack()
+    assert sub.advance_watermarks() == {0: 4}
+
+
+def test_a_spark_groups_commit_forgets_the_states_its_watermark_passes(
+    make_topic: Callable[..., Topic], backend: Backend, engine: sa.Engine
+) -> None:
+    pytest.importorskip("pyspark")
+    from delayq.spark.options import SourceOptions
+    from delayq.spark.stream import TopicStreamReader
+
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(3)])
+    t = make_tables().topics
+    with engine.begin() as conn:  # acked states of the group, as a requeue of an earlier version left them
+        conn.execute(
+            sa.insert(t.deliveries),
+            [
+                {"consumer_group": "spark", "topic": topic.name, "partition": 0, "message_offset": o}
+                | {"status": 1, "invisible_until": 0, "attempts": 0}
+                for o in (2, 3)
+            ],
+        )
+    reader = TopicStreamReader(SourceOptions.parse({"url": backend.url, "topic": topic.name, "group": "spark"}))
+    try:
+        reader.commit({"0": 2})
+        assert rows(engine, "deliveries", topic.name, "spark") == 1  # above the watermark: kept
+        reader.commit({"0": 3})
+        assert rows(engine, "deliveries", topic.name, "spark") == 0
+    finally:
+        reader.stop()
