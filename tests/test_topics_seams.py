@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend
+from conftest import Backend, make_engine
+from faults import FaultProxy
 
 from delayq import InvalidInputError, ManualClock, OfferOutcome
 from delayq.schema import MAX_LOG_ID_LENGTH, make_tables
@@ -338,3 +339,39 @@ def test_a_spark_groups_commit_forgets_the_states_its_watermark_passes(
         assert rows(engine, "deliveries", topic.name, "spark") == 0
     finally:
         reader.stop()
+
+
+# -- faults -------------------------------------------------------------------------------------------------
+COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_a_republished_ids_dead_letter_whose_commit_reply_was_lost_lands_once(
+    server: str, backend_urls: dict[str, str]
+) -> None:
+    from conftest import _backend
+
+    url = backend_urls[server]
+    _backend(server, backend_urls)  # migrated
+    name = f"f-{uuid.uuid4().hex[:12]}"
+    with FaultProxy.for_url(url) as proxy:
+        direct, through = make_engine(url), make_engine(proxy.url_for(url))
+        try:
+            topic = Topic(direct, name)
+            topic.create(1)
+            sub = Subscription(through, name, "billing", "s1", max_attempts=1)
+            sub.rebalance()
+            for round_ in range(2):
+                assert topic.publish("k", "order-1", round_) is OfferOutcome.CREATED
+                [d] = sub.poll(10)
+                proxy.cut_after(COMMIT[server])
+                d.fail("bad order")  # committed; the retry after the lost reply finds it dead already
+                assert proxy.stats.cuts == round_ + 1
+                sub.advance_watermarks()
+                assert topic.collect_garbage() == 1
+            dead = topic.dead_letters(group="billing")
+            assert sorted((dl.original_offset, dl.payload) for dl in dead) == [(1, 0), (2, 1)]  # each once
+            assert sub.poll(10) == [] and sub.watermarks() == {0: 2}
+        finally:
+            through.dispose()
+            direct.dispose()
