@@ -5,6 +5,7 @@ acked or dead-lettered exactly once per group, none lost."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Callable
@@ -12,10 +13,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, make_engine
+from conftest import Backend, make_async_engine, make_engine
 from faults import FaultProxy
 
 from delayq import InvalidInputError, ManualClock, OfferOutcome
+from delayq.aio import AsyncSubscription, AsyncTopic
 from delayq.schema import MAX_LOG_ID_LENGTH, make_tables
 from delayq.topics import (
     Subscription,
@@ -375,3 +377,40 @@ def test_a_republished_ids_dead_letter_whose_commit_reply_was_lost_lands_once(
         finally:
             through.dispose()
             direct.dispose()
+
+
+# -- asyncio ------------------------------------------------------------------------------------------------
+def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_starts_anew(backend: Backend) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        try:
+            topic = AsyncTopic(engine, name)
+            await topic.create(1)
+            sub = AsyncSubscription(engine, name, "billing", "s1", max_attempts=1)
+            await sub.rebalance()
+            for round_ in range(2):
+                assert await topic.publish("k", "order-1", round_) is OfferOutcome.CREATED
+                [d] = await sub.poll(10)
+                assert await sub.fail(d, "bad order")
+                await sub.advance_watermarks()
+                assert await topic.collect_garbage() == 1
+            dead = await topic.dead_letters(group="billing", message_id="order-1")
+            assert sorted((dl.original_offset, dl.payload, dl.original_topic) for dl in dead) == [
+                (1, 0, name),
+                (2, 1, name),
+            ]
+            assert await topic.publish("k", "order-2", 2) is OfferOutcome.CREATED
+            [held] = await sub.poll(10)
+            assert await topic.drop_group("billing")
+            assert not await sub.ack(held)  # its subscriber is fenced out
+            again = AsyncSubscription(engine, name, "billing", "s2")
+            await again.rebalance()
+            [fresh] = await again.poll(10)
+            assert (fresh.message_id, fresh.attempts) == ("order-2", 1)
+            assert await again.ack(fresh)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
