@@ -159,3 +159,32 @@ def test_dead_purge_asks_first_and_deletes(backend: Backend) -> None:
     assert dlq["published"] == 4 and dlq["retained"] == 0
     one.close()
     two.close()
+
+
+def test_groups_ls_and_drop(backend: Backend) -> None:
+    name = f"cli-{uuid.uuid4().hex[:10]}"
+    topic = Topic(backend.engine, name)
+    topic.create(2)
+    topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(4)])
+    fast, slow = Subscription(backend.engine, name, "fast", "f1"), Subscription(backend.engine, name, "slow", "s1")
+    fast.rebalance()
+    slow.rebalance()
+    assert all(fast.ack_many(fast.poll(10)))
+    fast.advance_watermarks()
+    slow.poll(1)
+
+    listed = {g["group"]: g for g in json.loads(cli(backend, "groups", "ls", name, "--json").output)}
+    assert listed["fast"] == {"group": "fast", "partitions": 2, "lag": 0, "in_flight": 0, "subscribers": 1}
+    assert listed["slow"] == {"group": "slow", "partitions": 2, "lag": 4, "in_flight": 1, "subscribers": 1}
+    assert "IN_FLIGHT" in cli(backend, "groups", "ls", name).output
+
+    assert cli(backend, "groups", "drop", name, "slow", input="n\n").exit_code == 1  # "no" changes nothing
+    assert {g["group"] for g in json.loads(cli(backend, "groups", "ls", name, "--json").output)} == {"fast", "slow"}
+    dropped = cli(backend, "groups", "drop", name, "slow", "--yes")
+    assert dropped.exit_code == 0 and "group 'slow' dropped" in dropped.output
+    assert [g["group"] for g in json.loads(cli(backend, "groups", "ls", name, "--json").output)] == ["fast"]
+    assert topic.collect_garbage() == 4  # nothing waits for slow any more
+    again = cli(backend, "groups", "drop", name, "slow", "--yes")
+    assert again.exit_code == 2 and "does not read topic" in again.output
+    bad = cli(backend, "groups", "drop", name, "no spaces", "--yes")
+    assert bad.exit_code != 0 and "consumer group name" in bad.output

@@ -12,11 +12,12 @@ from delayq.topics.handler import TopicHandler
 from delayq.topics.names import DLQ_SUFFIX, dead_letter_topic, partition_for
 from delayq.topics.subscription import Subscription
 from delayq.topics.topic import PartitionInfo, Topic
-from delayq.topics.views import PartitionLag, TopicSummary, group_lag, list_topics
+from delayq.topics.views import GroupSummary, PartitionLag, TopicSummary, group_lag, list_groups, list_topics
 
 __all__ = [
     "DLQ_SUFFIX",
     "DeadLetterInfo",
+    "GroupSummary",
     "LeaseLostError",
     "PartitionInfo",
     "PartitionLag",
@@ -28,6 +29,7 @@ __all__ = [
     "TopicSummary",
     "dead_letter_topic",
     "group_lag",
+    "list_groups",
     "list_topics",
     "partition_for",
 ]

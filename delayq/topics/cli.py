@@ -14,7 +14,7 @@ from delayq.cli import Fail, connect, emit, friendly, relative
 from delayq.humanize import human
 from delayq.schema import make_tables
 from delayq.topics.topic import Topic
-from delayq.topics.views import group_lag, list_topics
+from delayq.topics.views import group_lag, list_groups, list_topics
 
 
 @click.group()
@@ -87,6 +87,49 @@ def topics_lag(ctx: click.Context, topic: str, group: str, as_json: bool) -> Non
     ]
     columns = ["partition", "head", "watermark", "lag", "in_flight", "leased_by", "epoch", "lease_age", "lease_expires"]
     emit(rows, as_json, columns)
+
+
+# -- consumer groups -------------------------------------------------------------------------------------
+@topics.group(name="groups")
+def topics_groups() -> None:
+    """List a topic's consumer groups; drop one."""
+
+
+@topics_groups.command(name="ls")
+@click.argument("topic")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def groups_ls(ctx: click.Context, topic: str, as_json: bool) -> None:
+    """TOPIC's consumer groups: partitions with a watermark, lag, deliveries in flight, live subscribers."""
+    with connect(ctx) as (engine, conn):
+        _existing(ctx, engine, conn, topic)
+        found = list_groups(engine, topic, table_prefix=ctx.obj["prefix"])
+    rows = [
+        {"group": g.group, "partitions": g.partitions, "lag": g.lag, "in_flight": g.pending}
+        | {"subscribers": g.subscribers}
+        for g in found
+    ]
+    emit(rows, as_json, ["group", "partitions", "lag", "in_flight", "subscribers"])
+
+
+@topics_groups.command(name="drop")
+@click.argument("topic")
+@click.argument("group")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+@friendly
+def groups_drop(ctx: click.Context, topic: str, group: str, yes: bool) -> None:
+    """Drop GROUP from TOPIC: its watermarks, leases, delivery states and subscribers, in one transaction
+    (asks first unless --yes). Garbage collection stops waiting for it; its dead letters stay."""
+    with connect(ctx) as (engine, conn):
+        _existing(ctx, engine, conn, topic)
+        conn.rollback()  # hold nothing while the topic works on its own connection
+        if not yes:
+            click.confirm(f"drop group {group!r} of topic {topic!r}?", abort=True)
+        if not _topic(engine, ctx, topic).drop_group(group):
+            raise Fail(f"group {group!r} does not read topic {topic!r}: nothing dropped")
+    click.echo(f"{topic}: group {group!r} dropped")
 
 
 # -- dead letters ----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Operator views of topics: what ``delayq topics ls`` and ``delayq topics lag`` show."""
+"""Operator views of topics: what ``delayq topics ls``, ``delayq topics lag`` and ``delayq topics groups ls`` show."""
 
 from __future__ import annotations
 
@@ -41,6 +41,61 @@ class PartitionLag:
     lease_acquired_at: dt.datetime | None = None
     lease_age: dt.timedelta | None = None
     """How long the holder has held the lease (since it took it), on the database's clock; None when free."""
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """A consumer group of a topic: the partitions it has watermarks of, its lag over them, its deliveries
+    in flight, and its live subscribers (those not deregistered; a Spark query's group has none)."""
+
+    group: str
+    partitions: int
+    lag: int
+    pending: int
+    subscribers: int
+
+
+def list_groups(
+    engine: Engine, topic: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
+) -> list[GroupSummary]:
+    """Every consumer group reading ``topic``, by name (three reads)."""
+    t = make_tables(table_prefix, schema).topics
+    off, heads, dl, sub = t.offsets, t.heads, t.deliveries, t.subscribers
+    progress = (
+        sa.select(
+            off.c.consumer_group,
+            sa.func.count().label("partitions"),
+            sa.func.sum(heads.c.head - off.c.acked_offset).label("lag"),
+        )
+        .select_from(off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)))
+        .where(off.c.topic == topic)
+        .group_by(off.c.consumer_group)
+        .order_by(off.c.consumer_group)
+    )
+    pending = (
+        sa.select(dl.c.consumer_group, sa.func.count().label("n"))
+        .where(dl.c.topic == topic, dl.c.status == PENDING)
+        .group_by(dl.c.consumer_group)
+    )
+    members = (
+        sa.select(sub.c.consumer_group, sa.func.count().label("n"))
+        .where(sub.c.topic == topic, sub.c.deregistered_at.is_(None))
+        .group_by(sub.c.consumer_group)
+    )
+    with engine.connect() as conn:
+        found = conn.execute(progress).all()
+        in_flight = {r.consumer_group: int(r.n) for r in conn.execute(pending)}
+        live = {r.consumer_group: int(r.n) for r in conn.execute(members)}
+    return [
+        GroupSummary(
+            r.consumer_group,
+            int(r.partitions),
+            int(r.lag or 0),
+            in_flight.get(r.consumer_group, 0),
+            live.get(r.consumer_group, 0),
+        )
+        for r in found
+    ]
 
 
 def list_topics(engine: Engine, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> list[TopicSummary]:
