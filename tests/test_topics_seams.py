@@ -146,6 +146,22 @@ def test_a_dead_letter_of_a_long_id_republished_fits_its_column(
     assert len(topic.dead_letters(group=group, message_id=mid)) == 2
 
 
+def test_a_group_dropped_and_created_again_that_gives_up_again_finds_its_dead_letter_there(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
+) -> None:
+    topic = make_topic(1)
+    topic.publish("k", "order-1", 1)
+    for incarnation in range(3):  # the message stays in the log: each incarnation gets it from the start
+        sub = make_sub("billing", name=f"s{incarnation}", max_attempts=1)
+        [d] = sub.poll(10)
+        assert (d.offset, d.attempts) == (1, 1)
+        assert d.fail(f"incarnation {incarnation}")
+        assert sub.advance_watermarks() == {0: 1}
+        assert topic.drop_group("billing")
+    assert dead_ids(engine, topic.name) == ["billing:order-1", "billing:order-1~dead-1"]  # the third found them
+    assert [dl.message_id for dl in topic.dead_letters(message_id="order-1")] == ["order-1", "order-1"]
+
+
 # -- row 8: a group created again starts clean -------------------------------------------------------------
 def _delete_offsets(engine: sa.Engine, topic: str, group: str) -> None:
     off = make_tables().topics.offsets
