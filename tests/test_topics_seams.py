@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -430,3 +432,67 @@ def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_start
             await engine.dispose()
 
     asyncio.run(main())
+
+
+def _lock_waiters(conn: sa.Connection, backend: str, topic: str, holder: int) -> int:
+    """How many statements wait for a row lock of the holder (PostgreSQL: its backend's pid) or, on
+    MariaDB, delete the leases of ``topic`` waiting for a lock (seen from a connection of its own)."""
+    if backend == "postgresql":
+        query = "SELECT count(*) FROM pg_stat_activity WHERE %(holder)s = ANY(pg_blocking_pids(pid))"
+        return int(conn.exec_driver_sql(query, {"holder": holder}).scalar_one())
+    query = "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE %s"
+    return int(conn.exec_driver_sql(query, (f"DELETE FROM %topic_leases%{topic}%",)).scalar_one())
+
+
+def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backend, engine: sa.Engine) -> None:
+    """A poll holds its lease row, then writes the group's watermark and states: a drop that waits for the
+    lease row holds none of those meanwhile, so the poll finishes and the drop follows (no deadlock)."""
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    topic = Topic(engine, name)
+    topic.create(1)
+    topic.publish("k", "m", 1)
+    sub = Subscription(engine, name, "g", "s1")
+    sub.rebalance()
+    [d] = sub.poll(10)
+    t = make_tables().topics
+    results: list[bool] = []
+    holder = make_engine(backend.url)
+    watcher = make_engine(backend.url)
+    try:
+        with holder.connect() as conn:
+            if backend.name == "mysql":
+                conn.exec_driver_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            pid = 0
+            if backend.name == "postgresql":
+                pid = int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+                # Its writes below must not wait for the drop (they would, for its deadlock detector's second,
+                # were the drop holding the group's watermark: a drop that lost the deadlock is retried).
+                conn.exec_driver_sql("SET LOCAL lock_timeout = '300ms'")
+            conn.execute(  # as a poll's fence
+                sa.select(t.leases.c.epoch)
+                .where(t.leases.c.consumer_group == "g", t.leases.c.topic == name, t.leases.c.partition == 0)
+                .with_for_update()
+            ).one()
+            dropping = threading.Thread(target=lambda: results.append(topic.drop_group("g")))
+            dropping.start()
+            with watcher.connect() as w:
+                deadline = time.monotonic() + 30
+                while _lock_waiters(w, backend.name, name, pid) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    w.rollback()
+                assert _lock_waiters(w, backend.name, name, pid) >= 1  # the drop waits for the lease row
+            # As the poll goes on: its watermark and states, which the waiting drop must not hold.
+            off, dl = t.offsets, t.deliveries
+            conn.execute(sa.update(off).where(off.c.consumer_group == "g", off.c.topic == name).values(acked_offset=1))
+            conn.execute(sa.update(dl).where(dl.c.consumer_group == "g", dl.c.topic == name).values(status=1))
+            conn.commit()
+        dropping.join(30)
+        assert results == [True]
+    finally:
+        holder.dispose()
+        watcher.dispose()
+    assert not d.ack()
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, name, "g") == 0
