@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import Backend, make_async_engine, make_engine
-from faults import FaultProxy
+from faults import FaultProxy, hold_row_lock
 
 from delayq import InvalidInputError, ManualClock, OfferOutcome
 from delayq.aio import AsyncSubscription, AsyncTopic
@@ -496,3 +496,41 @@ def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backe
     assert not d.ack()
     for table in ("offsets", "leases", "deliveries", "subscribers"):
         assert rows(engine, table, name, "g") == 0
+
+
+def test_a_republished_ids_dead_letter_that_cannot_be_appended_leaves_the_delivery_as_it_was(
+    backend: Backend, engine: sa.Engine
+) -> None:
+    """Both or neither: in the caller's transaction, the dead-letter topic's head row locked by another
+    transaction past the lock timeout fails the whole ``fail``, and a rollback leaves the delivery to ack."""
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    topic = Topic(engine, name)
+    topic.create(1)
+    sub = Subscription(engine, name, "billing", "s1", max_attempts=1)
+    sub.rebalance()
+    assert topic.publish("k", "order-1", 0) is OfferOutcome.CREATED
+    [d] = sub.poll(10)
+    assert d.fail("first")
+    sub.advance_watermarks()
+    assert topic.collect_garbage() == 1
+    assert topic.publish("k", "order-1", 1) is OfferOutcome.CREATED
+    [d] = sub.poll(10)
+    part = "`partition`" if backend.name == "mysql" else "partition"
+    caller = make_engine(backend.url)  # its own pool: the session's lock timeout goes with it
+    where, params = f"topic = :t AND {part} = 0", {"t": dead_letter_topic(name)}
+    try:
+        with hold_row_lock(backend.url, "delayq_topic_heads", where, params), caller.connect() as conn:
+            if backend.name == "postgresql":
+                conn.exec_driver_sql("SET LOCAL lock_timeout = '300ms'")
+            else:
+                conn.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = 1")
+            with pytest.raises(sa.exc.OperationalError):
+                sub.fail(d, "second", using=conn)
+            conn.rollback()
+    finally:
+        caller.dispose()
+    assert [dl.original_offset for dl in topic.dead_letters()] == [1]  # the second is not there ...
+    assert d.ack()  # ... and the delivery was never marked dead
+    assert sub.advance_watermarks() == {0: 2}
