@@ -2,10 +2,11 @@
 requeue and purge of them.
 
 A group's dead letter of a message is a row of the topic ``{topic}_dlq`` whose id is
-``{group}:{message id}`` and whose failure columns say where it came from. Requeueing one publishes
-its payload again on the original topic, under a new id, for the group that gave up on it alone (the
-topic's other groups get it marked done), and deletes the dead letter, in one transaction. See
-docs/topics.md, "Dead letters".
+``{group}:{message id}`` (or, when an earlier dead letter holds that one or it does not fit, the id
+``dead_letter_id`` makes with the original offset) and whose failure columns say where it came from.
+Requeueing one publishes its payload again on the original topic, under a new id, for the group that
+gave up on it alone (the topic's other groups get it marked done), and deletes the dead letter, in one
+transaction. See docs/topics.md, "Dead letters".
 """
 
 from __future__ import annotations
