@@ -21,6 +21,7 @@ from faults import FaultProxy, hold_row_lock
 from delayq import InvalidInputError, ManualClock, OfferOutcome
 from delayq.aio import AsyncSubscription, AsyncTopic
 from delayq.schema import MAX_LOG_ID_LENGTH, make_tables
+from delayq.serializers import JsonSerializer, TextSerializer
 from delayq.topics import (
     Subscription,
     Topic,
@@ -534,3 +535,25 @@ def test_a_republished_ids_dead_letter_that_cannot_be_appended_leaves_the_delive
     assert [dl.original_offset for dl in topic.dead_letters()] == [1]  # the second is not there ...
     assert d.ack()  # ... and the delivery was never marked dead
     assert sub.advance_watermarks() == {0: 2}
+
+
+def test_an_undecodable_message_of_a_topic_with_no_room_for_dead_letters_does_not_wedge_its_polls(
+    make_sub: Callable[..., Subscription], engine: sa.Engine, clock: ManualClock
+) -> None:
+    base = f"t-{uuid.uuid4().hex[:12]}".ljust(96, "x")
+    Topic(engine, base, clock=clock).create(1)
+    Topic(engine, base, clock=clock, serializer=JsonSerializer()).publish("k", "json", {"n": 1})
+    Topic(engine, base, clock=clock, serializer=TextSerializer()).publish("k", "text", "two")
+    sub = make_sub("g", topic=base, max_attempts=1, serializer=TextSerializer())
+    [text] = sub.poll(10)  # the JSON one went to the dead letters (wrong kind), the text one came
+    assert text.fail("no")
+    dlq = dead_letter_topic(base)  # 100 characters: no dead-letter topic of its own
+    audit = make_sub("audit", topic=dlq, max_attempts=None, serializer=TextSerializer())
+    for _ in range(3):
+        got = audit.poll(10)  # was: InvalidInputError (no room for a dead-letter topic) on every poll
+        assert [d.payload for d in got] == (["two"] if _ == 0 else [])
+        if got:
+            assert got[0].ack()
+        clock.advance(120 * SECOND)
+    assert rows(engine, "heads", dead_letter_topic(dlq)) == 0
+    assert [s.pending for s in group_lag(engine, dlq, "audit")] == [1]  # the JSON one, in flight, never lost

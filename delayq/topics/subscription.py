@@ -525,7 +525,8 @@ class Subscription:
             try:
                 payload = self._decode(row)
             except SerializationMismatchError as exc:
-                doomed[o] = (again.get(o, 0), str(exc))
+                if len(self.topic) <= MAX_TOPIC_NAME:  # else no dead-letter topic: it stays in flight, undelivered
+                    doomed[o] = (again.get(o, 0), str(exc))
                 continue
             out.append(self._delivery(row, partition, epoch, again.get(o, 0) + 1, until, payload))
         new_rows = [
