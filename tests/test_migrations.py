@@ -277,8 +277,6 @@ def test_delayq_0005_keeps_the_rows_and_makes_trailing_spaces_count(backend: Bac
         assert [m.payload for k in ("job", "job ") if (m := queue.get(k)) is not None] == [1, 2]
         assert queue.cancel("job ")
         migrations.downgrade(backend.url, "delayq_0004", prefix=prefix)
-        assert [m.payload for k in ("job", "job ") if (m := queue.get(k)) is not None] == [1] + (
-            [1] if padded else []
-        )
+        assert [m.payload for k in ("job", "job ") if (m := queue.get(k)) is not None] == [1] + ([1] if padded else [])
     finally:
         migrations.downgrade(backend.url, prefix=prefix)
