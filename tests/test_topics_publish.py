@@ -238,3 +238,40 @@ def _groups(engine: sa.Engine, topic: str) -> list[str]:
     off = make_tables().topics.offsets
     with engine.connect() as conn:
         return list(conn.execute(sa.select(off.c.consumer_group).where(off.c.topic == topic)).scalars())
+
+
+def test_garbage_collection_waits_for_a_group_being_created_and_keeps_what_it_reads(
+    engine: sa.Engine, topic_name: str
+) -> None:
+    # A group created from "earliest" starts at the collected offset: a collection running meanwhile
+    # must either wait for its watermarks or be seen by it, never delete what it is about to read.
+    topic = Topic(engine, topic_name)
+    topic.create(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(3)])
+    old = Subscription(engine, topic_name, "old", "s", max_attempts=None)
+    assert len(_drain(old)) == 3
+    new = Subscription(engine, topic_name, "new", "s", max_attempts=None)
+    collected: list[int] = []
+    errors: list[BaseException] = []
+
+    def collect() -> None:
+        try:
+            collected.append(topic.collect_garbage())
+        except BaseException as exc:
+            errors.append(exc)
+
+    with engine.connect() as conn:
+        new.join(using=conn)  # the group's rows, not committed yet
+        collector = threading.Thread(target=collect)
+        collector.start()
+        try:
+            collector.join(timeout=1.0)  # (it must still wait: the assertion cannot fail when it is right)
+            assert collector.is_alive() and not collected, (collected, errors)
+        finally:
+            conn.commit()
+            collector.join(timeout=120)
+    assert not errors, errors
+    assert collected == [0]  # the new group's watermark holds the log
+    assert [m for _, _, m in _drain(new)] == ["m0", "m1", "m2"]
+    old.close()
+    new.close()
