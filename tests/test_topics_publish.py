@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import uuid
@@ -17,9 +18,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend
+from conftest import Backend, make_async_engine
 
 from delayq import DelayedQueue, ManualClock, OfferOutcome
+from delayq.aio import AsyncSubscription, AsyncTopic
 from delayq.schema import make_tables
 from delayq.topics import Subscription, Topic, dead_letter_topic
 
@@ -172,6 +174,39 @@ def test_concurrent_transactional_publishes_of_a_partition_all_get_offsets_in_co
     sub.close()
 
 
+def test_concurrent_transactional_publishes_of_a_partition_from_coroutines(backend: Backend, topic_name: str) -> None:
+    tasks, each = 4, 15
+    committed: list[str] = []
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        try:
+            topic = AsyncTopic(engine, topic_name)
+            await topic.create(1)
+            turn = asyncio.Lock()
+
+            async def publish(n: int) -> None:
+                for i in range(each):
+                    async with engine.connect() as conn:
+                        assert await topic.publish("k", f"{n}-{i}", i, using=conn) is OfferOutcome.CREATED
+                        async with turn:
+                            await conn.commit()
+                            committed.append(f"{n}-{i}")
+
+            await asyncio.wait_for(asyncio.gather(*(publish(n) for n in range(tasks))), 120)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    sa_engine = backend.engine
+    log = _log(sa_engine, topic_name)
+    assert [o for _, o, _, _ in log] == list(range(1, tasks * each + 1))
+    assert [m for _, _, _, m in log] == committed
+    sub = Subscription(sa_engine, topic_name, "g", "s", max_attempts=None)
+    assert [m for _, _, m in _drain(sub)] == committed
+    sub.close()
+
+
 # -- a new group joins while a publisher's transaction is open (issue 29, row 11) ---------------------
 @pytest.mark.parametrize("target", ["topic", "dead letters"])
 @pytest.mark.parametrize("start", ["earliest", "latest"])
@@ -214,6 +249,30 @@ def test_a_new_group_joins_while_a_publisher_transaction_is_open(
     expected = {"after"} | during | ({"before-1", "before-2"} if start == "earliest" else set())
     assert got == expected
     sub.close()
+
+
+def test_an_async_group_joins_while_a_publisher_transaction_is_open(
+    backend: Backend, engine: sa.Engine, topic_name: str
+) -> None:
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has one writer at a time: a join's writes wait for any open write transaction")
+    topic = Topic(engine, topic_name)
+    topic.create(1)
+
+    async def join() -> None:
+        aengine = make_async_engine(backend.url)
+        try:
+            await asyncio.wait_for(AsyncSubscription(aengine, topic_name, "new", "s").join(), DEADLINE)
+        finally:
+            await aengine.dispose()
+
+    with engine.connect() as conn:
+        topic.publish("k", "during", 1, using=conn)
+        try:
+            asyncio.run(join())
+        finally:
+            conn.commit()
+    assert [m for _, _, m in _drain(Subscription(engine, topic_name, "new", "s"))] == ["during"]
 
 
 def test_a_join_in_the_callers_transaction_takes_effect_with_it(
