@@ -334,3 +334,20 @@ def test_garbage_collection_waits_for_a_group_being_created_and_keeps_what_it_re
     assert [m for _, _, m in _drain(new)] == ["m0", "m1", "m2"]
     old.close()
     new.close()
+
+
+def test_a_spark_read_by_message_id_finds_that_id_only(engine: sa.Engine, backend: Backend, topic_name: str) -> None:
+    # The filter is pushed to the database (names compare byte for byte there), so its collation decides.
+    pytest.importorskip("pyspark")
+    from pyspark.sql.datasource import EqualTo
+
+    from delayq.spark.read import LOG_SCHEMA
+    from delayq.spark.source import DelayqDataSource
+
+    topic = Topic(engine, topic_name)
+    topic.create(1)
+    topic.publish_many([("k", "m1", 1), ("k", "m1 ", 2), ("k ", "m1", 3)])
+    reader = DelayqDataSource({"url": backend.url, "topic": topic_name}).reader(LOG_SCHEMA)
+    assert list(reader.pushFilters([EqualTo(("message_id",), "m1 ")])) == []  # pushed whole
+    rows = [r for part in reader.partitions() for batch in reader.read(part) for r in batch.to_pylist()]
+    assert [(r["partition_key"], r["message_id"]) for r in rows] == [("k", "m1 ")]
