@@ -2,8 +2,9 @@
 
 Every statement is a SQLAlchemy Core construct with named bind parameters. "Now" is read once per
 transaction, by the first statement (``now`` is the database's clock expression, or the bind
-parameter ``:now`` on an injected clock), and bound as a number after that. The one shape that
-differs per backend, the upsert, comes from the dialect (``Dialect.topic_upsert``).
+parameter ``:now`` on an injected clock), and bound as a number after that. The upsert comes from
+the dialect (``Dialect.topic_upsert``); a read under a row lock is a write where the dialect has no
+row locks (``Dialect.row_locks``, see ``_locking``).
 """
 
 from __future__ import annotations
