@@ -2,7 +2,8 @@
 
 ``make_tables(prefix, schema)`` builds (once per prefix and schema) the live-message table, the
 dead-letter table and the cron schedules' records; ``metadata`` holds the default ``delayq_*``
-tables. The Alembic migrations build exactly this schema, and a test holds them to it.
+tables. The Alembic migrations build exactly this schema, and a test holds them to it. Keys, ids and
+names are ``name_type`` columns: compared byte for byte on every backend, trailing spaces included.
 """
 
 from __future__ import annotations

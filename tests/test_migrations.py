@@ -256,3 +256,27 @@ def test_the_documented_embedding_commands_run_as_written(tmp_path: Path) -> Non
     standalone = f"sqlite:///{tmp_path / 'standalone.db'}"
     run(stamp_steps, standalone)  # delayq migrate, stamp, upgrade heads: no "table already exists"
     assert {"orders", "delayq_messages", "delayq_alembic_version", "alembic_version"} <= tables(standalone)
+
+
+def test_delayq_0005_keeps_the_rows_and_makes_trailing_spaces_count(backend: Backend) -> None:
+    # Keys that differ by trailing spaces only: one key on MariaDB before delayq_0005 (utf8mb4_bin
+    # pads with spaces), two after it, as on every other backend; down again once they are one.
+    from delayq import DelayedQueue, OfferOutcome
+
+    prefix = "mig5_"
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0004", prefix=prefix)
+    try:
+        queue = DelayedQueue(backend.engine, "q", table_prefix=prefix)
+        assert queue.offer("job", 1) is OfferOutcome.CREATED
+        padded = backend.name == "mysql"
+        assert queue.offer("job ", 2) is (OfferOutcome.IGNORED if padded else OfferOutcome.CREATED)
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+        assert queue.offer("job ", 2) is (OfferOutcome.CREATED if padded else OfferOutcome.IGNORED)
+        assert [m.payload for k in ("job", "job ") if (m := queue.get(k)) is not None] == [1, 2]
+        assert queue.cancel("job ")
+        migrations.downgrade(backend.url, "delayq_0004", prefix=prefix)
+        assert [m.payload for k in ("job", "job ") if (m := queue.get(k)) is not None] == [1] + ([1] if padded else [])
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)

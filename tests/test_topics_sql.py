@@ -40,14 +40,19 @@ def compiled(name: str, attr: str) -> str:
         ("hold_exclusive", "FOR UPDATE", "FOR UPDATE"),
         ("hold_shared", "FOR SHARE", "LOCK IN SHARE MODE"),
         ("free_leases", "FOR UPDATE SKIP LOCKED", "FOR UPDATE SKIP LOCKED"),
-        ("heads_for_group", "FOR SHARE", "LOCK IN SHARE MODE"),
+        ("lock_topic_shared", "FOR SHARE", "LOCK IN SHARE MODE"),
+        ("lock_topic", "FOR UPDATE", "FOR UPDATE"),
         ("lock_collected", "FOR UPDATE", "FOR UPDATE"),
     ],
 )
 def test_the_locking_reads(attr: str, postgres: str, mariadb: str) -> None:
     assert compiled("postgresql", attr).endswith(postgres)
     assert compiled("mysql", attr).endswith(mariadb)
-    assert "FOR " not in compiled("sqlite", attr)  # one writer at a time: no row locks to take
+    sql = compiled("sqlite", attr)
+    assert "FOR " not in sql  # one writer at a time: no row locks to take
+    if attr in ("lock_heads", "lock_topic_shared", "lock_topic", "lock_collected"):
+        # Read before a write: a write that returns the rows, so it takes the writer's lock first.
+        assert sql.startswith("UPDATE ") and " RETURNING " in sql, sql
 
 
 def test_the_upserts_never_use_insert_ignore() -> None:

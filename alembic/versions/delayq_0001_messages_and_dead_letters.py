@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
+from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, pad_space_name_type
 from delayq.migrations import migration_options
 
 revision = "delayq_0001"
@@ -25,8 +25,8 @@ def upgrade() -> None:
     op.create_table(
         messages,
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("queue", name_type(100), nullable=False),
-        sa.Column("key", name_type(200), nullable=False),
+        sa.Column("queue", pad_space_name_type(100), nullable=False),
+        sa.Column("key", pad_space_name_type(200), nullable=False),
         sa.Column("payload", Payload, nullable=False),
         sa.Column("payload_type", sa.String(100), nullable=False),
         sa.Column("scheduled_at", sa.BigInteger, nullable=False),
@@ -44,8 +44,8 @@ def upgrade() -> None:
     op.create_table(
         dead,
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("queue", name_type(100), nullable=False),
-        sa.Column("key", name_type(200), nullable=False),
+        sa.Column("queue", pad_space_name_type(100), nullable=False),
+        sa.Column("key", pad_space_name_type(200), nullable=False),
         sa.Column("payload", Payload, nullable=False),
         sa.Column("payload_type", sa.String(100), nullable=False),
         sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from delayq.dialects.types import TABLE_OPTIONS, name_type
+from delayq.dialects.types import TABLE_OPTIONS, pad_space_name_type
 from delayq.migrations import migration_options
 
 revision = "delayq_0002"
@@ -23,8 +23,8 @@ def upgrade() -> None:
     prefix, schema = migration_options()
     op.create_table(
         f"{prefix}schedules",
-        sa.Column("queue", name_type(100), primary_key=True),
-        sa.Column("name", name_type(150), primary_key=True),
+        sa.Column("queue", pad_space_name_type(100), primary_key=True),
+        sa.Column("name", pad_space_name_type(150), primary_key=True),
         sa.Column("definition", sa.Text, nullable=False),
         sa.Column("config_hash", sa.String(32), nullable=False),
         sa.Column("installed_at", sa.BigInteger, nullable=False),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from delayq.dialects.types import TABLE_OPTIONS, Payload, name_type
+from delayq.dialects.types import TABLE_OPTIONS, Payload, pad_space_name_type
 from delayq.migrations import migration_options
 
 revision = "delayq_0004"
@@ -31,8 +31,8 @@ TABLES = (
 
 def _group_topic_partition() -> list[sa.Column[object]]:
     return [
-        sa.Column("consumer_group", name_type(100), primary_key=True),
-        sa.Column("topic", name_type(100), primary_key=True),
+        sa.Column("consumer_group", pad_space_name_type(100), primary_key=True),
+        sa.Column("topic", pad_space_name_type(100), primary_key=True),
         sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
     ]
 
@@ -41,7 +41,7 @@ def upgrade() -> None:
     prefix, schema = migration_options()
     op.create_table(
         f"{prefix}topics",
-        sa.Column("topic", name_type(100), primary_key=True),
+        sa.Column("topic", pad_space_name_type(100), primary_key=True),
         sa.Column("partitions", sa.Integer, nullable=False),
         sa.Column("created_at", sa.BigInteger, nullable=False),
         schema=schema,
@@ -49,7 +49,7 @@ def upgrade() -> None:
     )
     op.create_table(
         f"{prefix}topic_heads",
-        sa.Column("topic", name_type(100), primary_key=True),
+        sa.Column("topic", pad_space_name_type(100), primary_key=True),
         sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("head", sa.BigInteger, nullable=False),
         sa.Column("collected", sa.BigInteger, nullable=False),
@@ -58,17 +58,17 @@ def upgrade() -> None:
     )
     op.create_table(
         f"{prefix}topic_log",
-        sa.Column("topic", name_type(100), primary_key=True),
+        sa.Column("topic", pad_space_name_type(100), primary_key=True),
         sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("message_offset", sa.BigInteger, primary_key=True, autoincrement=False),
-        sa.Column("partition_key", name_type(200), nullable=False),
-        sa.Column("message_id", name_type(301), nullable=False),
+        sa.Column("partition_key", pad_space_name_type(200), nullable=False),
+        sa.Column("message_id", pad_space_name_type(301), nullable=False),
         sa.Column("payload", Payload, nullable=False),
         sa.Column("payload_type", sa.String(100), nullable=False),
         sa.Column("published_at", sa.BigInteger, nullable=False),
-        sa.Column("original_topic", name_type(100), nullable=True),
+        sa.Column("original_topic", pad_space_name_type(100), nullable=True),
         sa.Column("original_offset", sa.BigInteger, nullable=True),
-        sa.Column("failed_group", name_type(100), nullable=True),
+        sa.Column("failed_group", pad_space_name_type(100), nullable=True),
         sa.Column("failed_at", sa.BigInteger, nullable=True),
         sa.Column("failure_count", sa.Integer, nullable=True),
         sa.Column("last_error", sa.Text, nullable=True),
@@ -90,7 +90,7 @@ def upgrade() -> None:
     op.create_table(
         f"{prefix}topic_leases",
         *_group_topic_partition(),
-        sa.Column("holder", name_type(200), nullable=True),
+        sa.Column("holder", pad_space_name_type(200), nullable=True),
         sa.Column("epoch", sa.BigInteger, nullable=False),
         sa.Column("acquired_at", sa.BigInteger, nullable=False),
         sa.Column("expires_at", sa.BigInteger, nullable=False),
@@ -109,9 +109,9 @@ def upgrade() -> None:
     op.create_index(f"{prefix}topic_offsets_topic_ix", f"{prefix}topic_offsets", ["topic", "partition"], schema=schema)
     op.create_table(
         f"{prefix}topic_subscribers",
-        sa.Column("consumer_group", name_type(100), primary_key=True),
-        sa.Column("topic", name_type(100), primary_key=True),
-        sa.Column("subscriber", name_type(200), primary_key=True),
+        sa.Column("consumer_group", pad_space_name_type(100), primary_key=True),
+        sa.Column("topic", pad_space_name_type(100), primary_key=True),
+        sa.Column("subscriber", pad_space_name_type(200), primary_key=True),
         sa.Column("heartbeat_at", sa.BigInteger, nullable=False),
         sa.Column("deregistered_at", sa.BigInteger, nullable=True),
         schema=schema,

@@ -222,6 +222,9 @@ class Dialect:
     min_version: ClassVar[tuple[int, ...]] = ()
     #: Whether an insert that skips duplicates can return the rows it created (RETURNING).
     insert_returns_created: ClassVar[bool] = True
+    #: Whether ``SELECT … FOR UPDATE`` / ``FOR SHARE`` lock rows. Where they do not, a statement that must
+    #: read under a lock is a write (see ``delayq.topics.statements``).
+    row_locks: ClassVar[bool] = True
     #: Client-side timeouts for engines delayq makes itself (``delayq worker``), as connect arguments;
     #: a URL's query overrides each.
     network_timeouts: ClassVar[dict[str, int]] = {}

@@ -87,6 +87,9 @@ def _errorcode(exc: DBAPIError) -> int:
 class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
     min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
+    # No row locks (FOR UPDATE is dropped): one writer at a time, whose lock a transaction takes at
+    # its first write (pysqlite begins a caller's transaction there), so a locking read is a write.
+    row_locks: ClassVar[bool] = False
 
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         super().__init__(sa_dialect)

@@ -2,8 +2,9 @@
 
 Every statement is a SQLAlchemy Core construct with named bind parameters. "Now" is read once per
 transaction, by the first statement (``now`` is the database's clock expression, or the bind
-parameter ``:now`` on an injected clock), and bound as a number after that. The one shape that
-differs per backend, the upsert, comes from the dialect (``Dialect.topic_upsert``).
+parameter ``:now`` on an injected clock), and bound as a number after that. The upsert comes from
+the dialect (``Dialect.topic_upsert``); a read under a row lock is a write where the dialect has no
+row locks (``Dialect.row_locks``, see ``_locking``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,29 @@ def _s(name: str) -> Any:
     return sa.bindparam(name, type_=sa.String)
 
 
+def _locking(
+    dialect: Dialect,
+    touch: sa.Column[Any],
+    where: sa.ColumnElement[bool],
+    columns: Sequence[sa.ColumnElement[Any]],
+    *,
+    read: bool = False,
+    order_by: sa.Column[Any] | None = None,
+) -> sa.Select[Any] | sa.Update:
+    """``columns`` of the rows ``where``, read under their lock: ``SELECT … FOR UPDATE`` (``FOR SHARE``
+    with ``read``), in ``order_by`` order.
+
+    Without row locks (SQLite) it is an ``UPDATE`` setting ``touch`` to itself ``RETURNING`` them: a write,
+    so it takes the one writer lock before it reads. A plain read would see the database as it was
+    before the lock, in a caller's transaction that pysqlite begins at its first write.
+    """
+    table = touch.table
+    if dialect.row_locks:
+        query = sa.select(*columns).where(where).with_for_update(read=read)
+        return query if order_by is None else query.order_by(order_by)
+    return sa.update(table).where(where).values({touch.name: touch}).returning(*columns)
+
+
 class TopicStatements:
     """The statements over one set of topic tables."""
 
@@ -56,11 +80,12 @@ class TopicStatements:
         # (The heads a batch moved are set by ``Dialect.topic_set_heads``: one statement.)
         # Locked in ascending partition order (PostgreSQL locks the rows as the sort emits them; InnoDB
         # as it walks the primary key), as every publisher does: two batches cannot deadlock.
-        self.lock_heads = (
-            sa.select(heads.c.partition, heads.c.head, now.label("now"))
-            .where(heads.c.topic == topic, heads.c.partition.in_(sa.bindparam("parts", expanding=True)))
-            .order_by(heads.c.partition)
-            .with_for_update()
+        self.lock_heads = _locking(
+            dialect,
+            heads.c.head,
+            sa.and_(heads.c.topic == topic, heads.c.partition.in_(sa.bindparam("parts", expanding=True))),
+            [heads.c.partition, heads.c.head, now.label("now")],
+            order_by=heads.c.partition,
         )
         # The shared shape of ``Dialect.topic_existing_ids`` (PostgreSQL looks the ids up otherwise).
         self.existing_ids = sa.select(log.c.partition_key, log.c.message_id).where(
@@ -76,7 +101,13 @@ class TopicStatements:
 
         # -- groups ------------------------------------------------------------------------------
         self.group_partitions = sa.select(sa.func.count()).where(off.c.consumer_group == group, off.c.topic == topic)
-        self.heads_for_group = self.heads_of_topic.with_for_update(read=True)
+        # The topic's row, locked: shared by a group being created, exclusive by a collection of the log
+        # (after its head row). Publishers never lock it, so a new group does not wait for them.
+        this_topic = t.topics.c.topic == topic
+        self.lock_topic_shared = _locking(
+            dialect, t.topics.c.partitions, this_topic, [t.topics.c.partitions], read=True
+        )
+        self.lock_topic = _locking(dialect, t.topics.c.partitions, this_topic, [t.topics.c.partitions])
         self.create_lease = dialect.topic_upsert(le, ["consumer_group", "topic", "partition"], None).values(
             consumer_group=group, topic=topic, partition=part, holder=None, epoch=0, acquired_at=0, expires_at=0
         )
@@ -242,7 +273,7 @@ class TopicStatements:
             .select_from(heads.join(lowest, lowest.c.partition == heads.c.partition))
             .where(heads.c.topic == topic, lowest.c.low > heads.c.collected)
         )
-        self.lock_collected = sa.select(heads.c.collected).where(head_key).with_for_update()
+        self.lock_collected = _locking(dialect, heads.c.collected, head_key, [heads.c.collected])
         self.lowest_watermark = sa.select(sa.func.min(off.c.acked_offset)).where(
             off.c.topic == topic, off.c.partition == part
         )

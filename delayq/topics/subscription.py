@@ -126,7 +126,10 @@ class Subscription:
             now = self.ctx.now(conn, stmts)
             g = {"group": self.group, "topic_name": self.topic}
             if conn.execute(stmts.group_partitions, g).scalar_one() < partitions:
-                heads = conn.execute(stmts.heads_for_group, g).all()  # locked: ordered with garbage collection
+                # The topic's row, shared: a collection of the log waits for these watermarks, or this reads
+                # the collected offsets it set. Not the head rows, which every open publisher holds.
+                conn.execute(stmts.lock_topic_shared, g).all()
+                heads = conn.execute(stmts.heads_of_topic, g).all()
                 conn.execute(stmts.forget_orphan_states, g)  # a group created again inherits no states
                 conn.execute(
                     stmts.create_offset,

@@ -279,10 +279,12 @@ class Topic:
         )
 
     def _collect(self, conn: Connection, dialect: Dialect, partition: int) -> int:
-        # The head row's lock orders this with a group being created (which reads where to start under it).
+        # The head row's lock orders this with publishers; then the topic row's, with a group being created
+        # (which holds it shared while it reads where to start and writes its watermarks).
         stmts = self.ctx.stmts(dialect)
         key = {"topic_name": self.name, "part": partition}
         collected = conn.execute(stmts.lock_collected, key).scalar()
+        conn.execute(stmts.lock_topic, key).all()
         low = conn.execute(stmts.lowest_watermark, key).scalar()
         if collected is None or low is None or low <= collected:
             return 0
@@ -292,12 +294,20 @@ class Topic:
 
 
 def ensure_topic(conn: Connection, stmts: TopicStatements, topic: str, partitions: int, now: int) -> None:
-    """Create a topic's row and its partitions' head rows unless they exist; refuse another partition count."""
-    conn.execute(stmts.create_topic, {"topic_name": topic, "partition_count": partitions, "now_v": now})
-    existing = int(conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one())
+    """Create a topic's row and its partitions' head rows unless they exist; refuse another partition count.
+
+    A topic that exists is only read: its rows are not written again, since an upsert of a head row
+    waits for the publishers that hold it (MariaDB locks the row it finds; PostgreSQL waits for the
+    uncommitted version a publisher wrote).
+    """
+    existing = conn.execute(stmts.partitions, {"topic_name": topic}).scalar()
+    if existing is None:
+        conn.execute(stmts.create_topic, {"topic_name": topic, "partition_count": partitions, "now_v": now})
+        existing = conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one()
+        if existing == partitions:
+            conn.execute(stmts.create_head, [{"topic_name": topic, "part": p} for p in range(partitions)])
     if existing != partitions:
         raise InvalidInputError(f"topic {topic!r} exists with {existing} partitions, not {partitions}")
-    conn.execute(stmts.create_head, [{"topic_name": topic, "part": p} for p in range(partitions)])
 
 
 def append(
