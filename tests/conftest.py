@@ -2,7 +2,9 @@
 PostgreSQL and MariaDB/MySQL.
 
 URLs come from ``DELAYQ_TEST_POSTGRES_URL`` and ``DELAYQ_TEST_MYSQL_URL`` (the local services by
-default). A server that cannot be reached fails the run: green means the suite ran. Only where
+default). A server that cannot be reached fails the run: green means the suite ran.
+``DELAYQ_TEST_BACKENDS=sqlite`` (a comma-separated subset) runs without servers: tests of the other
+backends are skipped, and say so. Only where
 a Docker engine answers and testcontainers is installed does an unreachable default start a
 container instead.
 """
@@ -25,7 +27,19 @@ import sqlalchemy as sa
 from delayq import DelayedQueue, ManualClock, migrations
 from delayq.schema import metadata
 
-BACKENDS = ["sqlite", "postgresql", "mysql"]
+ALL_BACKENDS = ("sqlite", "postgresql", "mysql")
+
+
+def _selected_backends() -> list[str]:
+    """The backends this run tests: ``DELAYQ_TEST_BACKENDS`` (comma-separated), or all three."""
+    names = [n.strip() for n in os.environ.get("DELAYQ_TEST_BACKENDS", ",".join(ALL_BACKENDS)).split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ALL_BACKENDS))
+    if unknown or not names:
+        raise pytest.UsageError(f"DELAYQ_TEST_BACKENDS={names}: choose among {', '.join(ALL_BACKENDS)}")
+    return [n for n in ALL_BACKENDS if n in names]
+
+
+BACKENDS = _selected_backends()
 DEFAULT_URLS = {
     "postgresql": "postgresql+psycopg://postgres@127.0.0.1:5432/test",
     "mysql": "mysql+mysqldb://root@127.0.0.1:3306/test",
@@ -99,11 +113,20 @@ def _migrated(url: str) -> None:
     migrations.upgrade(url)
 
 
+class _Urls(dict[str, str]):
+    """The selected backends' URLs; asking for another one skips the test that asked."""
+
+    def __missing__(self, name: str) -> str:
+        pytest.skip(f"{name} is not in DELAYQ_TEST_BACKENDS")
+
+
 @pytest.fixture(scope="session")
 def backend_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    urls = {"sqlite": f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'delayq.db'}"}
+    urls = _Urls(sqlite=f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'delayq.db'}")
     containers: list[Any] = []
     for name, var in ENV_VARS.items():
+        if name not in BACKENDS:
+            continue
         url = os.environ.get(var, DEFAULT_URLS[name])
         error = _reachable(url)
         if error is not None and var not in os.environ and _docker_answers():
@@ -126,7 +149,7 @@ _backends: dict[str, Backend] = {}
 def _backend(name: str, urls: dict[str, str]) -> Backend:
     """The named backend, migrated with delayq's own migrations at first use."""
     if name not in _backends:
-        _migrated(urls[name])
+        _migrated(urls[name])  # skips the test when the backend is not selected
         _backends[name] = Backend(name, urls[name], make_engine(urls[name]))
     return _backends[name]
 
@@ -204,6 +227,17 @@ AIO_SYNC_ONLY = {
     "test_a_callers_transaction_gets_the_transient_error_unretried",
     "test_statement_listeners_see_every_statement_of_delayqs_own_operations",
 }
+
+
+FULL_PROFILE_MODULES = {"test_chaos", "test_spark", "test_spark_source", "test_examples", "test_benchmarks"}
+"""Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
+as a subprocess, the benchmarks' smoke run. Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in FULL_PROFILE_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
