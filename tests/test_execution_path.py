@@ -31,6 +31,9 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_retry",
         "_extend",
         "_dead_letter",
+        "_poll_order",  # AsyncSubscription.poll runs Subscription.poll's steps, one partition per transaction
+        "_poll_one",
+        "_poll_failed",
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",

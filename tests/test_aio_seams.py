@@ -1,0 +1,208 @@
+"""Where asyncio meets retries and cancellation: a poll never drops what it committed, a cancelled
+claim is never left locked, and misuse of the sync and async APIs gets an error naming the right class."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import START, Backend, _backend, make_async_engine, make_engine
+from faults import FaultProxy
+
+from delayq import ManualClock, Subscription, Topic
+from delayq.aio import AsyncSubscription
+from delayq.topics import TopicDelivery
+from delayq.topics.names import partition_for
+from delayq.transactions import TransientRetry
+
+SERVERS = ["postgresql", "mysql"]
+NO_RETRY = TransientRetry(attempts=1)
+"""The sync runner's retries spent at once: a killed connection fails the partition's transaction."""
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def server_ids(engine: sa.Engine, name: str) -> None:
+    """Remember each new connection's server-side id in its pool record's ``info`` (``Connection.info``)."""
+    query = "SELECT pg_backend_pid()" if name == "postgresql" else "SELECT CONNECTION_ID()"
+
+    @sa.event.listens_for(engine, "connect")
+    def remember(dbapi_conn: Any, record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        cursor.execute(query)
+        record.info["server_id"] = int(cursor.fetchone()[0])
+        cursor.close()
+
+
+def kill(admin: sa.Engine, name: str, server_id: int) -> None:
+    """End a server session from another connection: ``pg_terminate_backend`` / MariaDB ``KILL``."""
+    with admin.connect() as conn:
+        if name == "postgresql":
+            conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": server_id})
+        else:
+            conn.exec_driver_sql(f"KILL {int(server_id)}")
+        conn.commit()
+
+
+def at_second_partition(engine: sa.Engine, act: Callable[[sa.Connection], None]) -> None:
+    """Call ``act(conn)`` once, just before the second delivery-state INSERT of ``engine``'s polls: inside
+    the transaction of the second partition a poll visits, after the first partition's committed."""
+    seen = 0
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def before(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
+        nonlocal seen
+        if statement.lstrip().upper().startswith("INSERT") and "topic_deliveries" in statement:
+            seen += 1
+            if seen == 2:
+                act(conn)
+
+
+def two_partition_topic(engine: sa.Engine, per_partition: int = 3) -> tuple[str, list[str]]:
+    """A 2-partition topic with ``per_partition`` messages in each; its name and the message ids."""
+    name = f"seam-{uuid.uuid4().hex[:12]}"
+    Topic(engine, name).create(2)
+    keys = {partition_for(f"k{i}", 2): f"k{i}" for i in range(50)}
+    items = [(keys[p], f"{p}-{i}", {"p": p, "i": i}) for p in (0, 1) for i in range(per_partition)]
+    Topic(engine, name).publish_many(items)
+    return name, [mid for _, mid, _ in items]
+
+
+def check_history(delivered: Counter[str], published: list[str]) -> None:
+    """Every published message delivered exactly once (the clock never moved: no visibility timeout passed)."""
+    assert sorted(delivered) == sorted(published), f"lost: {sorted(set(published) - set(delivered))}"
+    assert set(delivered.values()) == {1}, f"delivered twice: {[m for m, n in delivered.items() if n > 1]}"
+
+
+@pytest.fixture(params=SERVERS)
+def server(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Backend:
+    return _backend(request.param, backend_urls)
+
+
+# -- issue 29 row 4: a poll never drops what earlier partitions committed --------------------------
+def test_a_sync_poll_returns_the_first_partitions_deliveries_when_the_second_partitions_connection_is_killed(
+    server: Backend,
+) -> None:
+    name, published = two_partition_topic(server.engine)
+    victim = make_engine(server.url)
+    server_ids(victim, server.name)
+    at_second_partition(victim, lambda conn: kill(server.engine, server.name, conn.info["server_id"]))
+    clock = ManualClock(START)
+    sub = Subscription(victim, name, "g", "s1", clock=clock, transient_retry=NO_RETRY)
+    delivered: Counter[str] = Counter()
+    errors = 0
+    try:
+        sub.rebalance()
+        for _ in range(6):
+            try:
+                got = sub.poll(10)
+            except sa.exc.OperationalError:  # the killed partition's transaction, when nothing came before it
+                errors += 1
+                continue
+            delivered.update(d.message_id for d in got)
+            assert all(sub.ack(d) for d in got)
+        check_history(delivered, published)
+        assert errors == 0  # the killed partition came second: the poll returned the first one's deliveries
+    finally:
+        victim.dispose()
+
+
+def test_an_async_poll_retries_only_the_partition_whose_connection_was_killed(server: Backend) -> None:
+    name, published = two_partition_topic(server.engine)
+
+    async def main() -> Counter[str]:
+        engine = make_async_engine(server.url)
+        server_ids(engine.sync_engine, server.name)
+        at_second_partition(engine.sync_engine, lambda conn: kill(server.engine, server.name, conn.info["server_id"]))
+        sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        delivered: Counter[str] = Counter()
+        try:
+            await sub.rebalance()
+            first = await sub.poll(10)
+            assert len(first) == 6  # both partitions in the one poll: the killed one retried alone
+            for _ in range(3):
+                got = first or await sub.poll(10)
+                first = []
+                delivered.update(d.message_id for d in got)
+                assert await sub.ack_many(got) == [True] * len(got)
+        finally:
+            await engine.dispose()
+        return delivered
+
+    check_history(asyncio.run(main()), published)
+
+
+def test_a_poll_cancelled_in_its_second_partition_hands_both_partitions_to_the_next_poll(backend: Backend) -> None:
+    name, published = two_partition_topic(backend.engine)
+
+    async def main() -> Counter[str]:
+        engine = make_async_engine(backend.url)
+        polling: list[asyncio.Task[list[TopicDelivery]]] = []
+        at_second_partition(engine.sync_engine, lambda _: polling[0].cancel())
+        sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        delivered: Counter[str] = Counter()
+        try:
+            await sub.rebalance()
+            polling.append(asyncio.create_task(sub.poll(10)))
+            await asyncio.wait(polling)
+            assert polling[0].cancelled()
+            for _ in range(4):
+                got = await sub.poll(10)
+                delivered.update(d.message_id for d in got)
+                assert await sub.ack_many(got) == [True] * len(got)
+        finally:
+            await engine.dispose()
+        return delivered
+
+    check_history(asyncio.run(main()), published)
+
+
+def test_a_poll_timed_out_by_wait_for_while_its_second_partition_waits_on_the_network_loses_nothing(
+    server: Backend,
+) -> None:
+    name, published = two_partition_topic(server.engine)
+
+    async def main(proxy: FaultProxy) -> Counter[str]:
+        engine = make_async_engine(proxy.url_for(server.url))
+        at_second_partition(engine.sync_engine, lambda _: proxy.black_hole(1.0))  # the reply held 1 s
+        sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        delivered: Counter[str] = Counter()
+        try:
+            await sub.rebalance()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sub.poll(10), 0.2)
+            for _ in range(4):
+                got = await sub.poll(10)
+                delivered.update(d.message_id for d in got)
+                assert await sub.ack_many(got) == [True] * len(got)
+        finally:
+            await engine.dispose()
+        return delivered
+
+    with FaultProxy.for_url(server.url) as proxy:
+        check_history(asyncio.run(main(proxy)), published)
+
+
+def test_a_poll_in_the_callers_transaction_raises_and_the_callers_rollback_undoes_it(backend: Backend) -> None:
+    name, published = two_partition_topic(backend.engine)
+    engine = make_engine(backend.url)
+
+    def fail(_: sa.Connection) -> None:
+        raise RuntimeError("the second partition failed")
+
+    at_second_partition(engine, fail)
+    sub = Subscription(engine, name, "g", "s1", clock=ManualClock(START))
+    try:
+        sub.rebalance()
+        with engine.connect() as conn:
+            with pytest.raises(RuntimeError, match="second partition"):
+                sub.poll(10, using=conn)  # the caller owns the transaction: no partial result, the error
+            conn.rollback()
+        got = sub.poll(10)
+        assert sorted(d.message_id for d in got) == sorted(published)
+    finally:
+        engine.dispose()
