@@ -4,6 +4,7 @@ claim is never left locked, and misuse of the sync and async APIs gets an error 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -206,3 +207,79 @@ def test_a_poll_in_the_callers_transaction_raises_and_the_callers_rollback_undoe
         assert sorted(d.message_id for d in got) == sorted(published)
     finally:
         engine.dispose()
+
+
+# -- issue 29 row 5: a claim cancelled while its COMMIT reply is in flight is given back -------------
+COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
+"""The COMMIT as each driver sends it (a bare "COMMIT" also matches "READ COMMITTED")."""
+
+
+async def until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """A bounded poll: fail (not hang) when ``condition`` stays false; asserts nothing about timing."""
+    deadline = asyncio.get_running_loop().time() + limit
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def hold_first_claim_reply(engine: sa.Engine, proxy: FaultProxy, name: str, seconds: float) -> None:
+    """When ``engine`` first sends a claim, hold the reply to that claim's COMMIT for ``seconds`` (the
+    server has committed it; the worker does not know yet)."""
+    armed = False
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def before(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
+        nonlocal armed
+        if not armed and "SKIP LOCKED" in statement and "delayq_messages" in statement:
+            armed = True
+            proxy.hold_reply_after(COMMIT[name], seconds)
+
+
+@pytest.mark.parametrize("cancel", ["run", "stall_timeout"])
+def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_once(
+    server: Backend, cancel: str
+) -> None:
+    from delayq import DelayedQueue
+    from delayq.aio import AsyncDelivery, AsyncHandler, AsyncWorker
+
+    queue_name = f"seam-{uuid.uuid4().hex[:12]}"
+    direct = DelayedQueue(server.engine, queue_name)  # the database's clock: a 5 min visibility timeout
+    direct.offer("m", {"n": 1})
+    runs: Counter[tuple[str, int]] = Counter()
+
+    class Record(AsyncHandler):
+        queue = queue_name
+
+        async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
+            runs[delivery.key, delivery.attempts] += 1
+
+    async def main(proxy: FaultProxy) -> None:
+        engine = make_async_engine(proxy.url_for(server.url))
+        hold_first_claim_reply(engine.sync_engine, proxy, server.name, 2.0)
+        stall = dt.timedelta(seconds=0.5 if cancel == "stall_timeout" else 60)
+        worker = AsyncWorker(
+            engine, [Record], poll_interval=dt.timedelta(milliseconds=20), listen=False, stall_timeout=stall
+        )
+        running = asyncio.create_task(worker.run())
+        try:
+            await until(lambda: proxy.stats.holding > 0, "the claim's COMMIT reply held")
+            if cancel == "run":
+                running.cancel()
+                await asyncio.wait([running])
+                message = direct.get("m")
+                assert message is not None and not message.locked and message.attempts == 0
+                assert not runs
+                again = direct.try_poll()  # due at once: no visibility timeout to wait for
+                assert again is not None and again.attempts == 1 and again.ack()
+            else:  # the stall timeout gave the claim up: the worker claims it again, its first attempt
+                await until(lambda: bool(runs), "the handler")
+                assert await worker.stop()
+                assert runs == {("m", 1): 1}
+        finally:
+            running.cancel()
+            await asyncio.wait([running])
+            await engine.dispose()
+
+    with FaultProxy.for_url(server.url) as proxy:
+        asyncio.run(main(proxy))
