@@ -209,7 +209,7 @@ def test_a_poll_in_the_callers_transaction_raises_and_the_callers_rollback_undoe
         engine.dispose()
 
 
-# -- issue 29 row 5: a claim cancelled while its COMMIT reply is in flight is given back -------------
+# -- issue 29 row 5: a claim cancelled (or failed) while its COMMIT reply is in flight is given back -
 COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
 """The COMMIT as each driver sends it (a bare "COMMIT" also matches "READ COMMITTED")."""
 
@@ -223,9 +223,8 @@ async def until(condition: Callable[[], bool], what: str, limit: float = 30.0) -
         await asyncio.sleep(0.01)
 
 
-def hold_first_claim_reply(engine: sa.Engine, proxy: FaultProxy, name: str, seconds: float) -> None:
-    """When ``engine`` first sends a claim, hold the reply to that claim's COMMIT for ``seconds`` (the
-    server has committed it; the worker does not know yet)."""
+def at_first_claim(engine: sa.Engine, arm: Callable[[], None]) -> None:
+    """Call ``arm()`` when ``engine`` first sends a claim's statement (before that claim's COMMIT)."""
     armed = False
 
     @sa.event.listens_for(engine, "before_cursor_execute")
@@ -233,10 +232,10 @@ def hold_first_claim_reply(engine: sa.Engine, proxy: FaultProxy, name: str, seco
         nonlocal armed
         if not armed and "SKIP LOCKED" in statement and "delayq_messages" in statement:
             armed = True
-            proxy.hold_reply_after(COMMIT[name], seconds)
+            arm()
 
 
-@pytest.mark.parametrize("cancel", ["run", "stall_timeout"])
+@pytest.mark.parametrize("cancel", ["run", "stall_timeout", "reply_cut"])
 def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_once(
     server: Backend, cancel: str
 ) -> None:
@@ -256,14 +255,17 @@ def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_
 
     async def main(proxy: FaultProxy) -> None:
         engine = make_async_engine(proxy.url_for(server.url))
-        hold_first_claim_reply(engine.sync_engine, proxy, server.name, 2.0)
+        if cancel == "reply_cut":  # not a cancellation: the claim fails after the server committed it
+            at_first_claim(engine.sync_engine, lambda: proxy.cut_after(COMMIT[server.name]))
+        else:  # the server committed it, the worker waits for the reply meanwhile
+            at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(COMMIT[server.name], 2.0))
         stall = dt.timedelta(seconds=0.5 if cancel == "stall_timeout" else 60)
         worker = AsyncWorker(
             engine, [Record], poll_interval=dt.timedelta(milliseconds=20), listen=False, stall_timeout=stall
         )
         running = asyncio.create_task(worker.run())
         try:
-            await until(lambda: proxy.stats.holding > 0, "the claim's COMMIT reply held")
+            await until(lambda: proxy.stats.holding + proxy.stats.cuts > 0, "the claim's COMMIT reply held or cut")
             if cancel == "run":
                 running.cancel()
                 await asyncio.wait([running])
@@ -272,7 +274,7 @@ def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_
                 assert not runs
                 again = direct.try_poll()  # due at once: no visibility timeout to wait for
                 assert again is not None and again.attempts == 1 and again.ack()
-            else:  # the stall timeout gave the claim up: the worker claims it again, its first attempt
+            else:  # the claim was given up (stall timeout) or failed: the worker claims it again, its first attempt
                 await until(lambda: bool(runs), "the handler")
                 assert await worker.stop()
                 assert runs == {("m", 1): 1}
