@@ -56,6 +56,8 @@ class ProxyStats:
     """Cuts armed by :meth:`FaultProxy.cut_after` that have not fired yet."""
     holding: int = 0
     """Replies held by :meth:`FaultProxy.hold_reply_after` now."""
+    held: int = 0
+    """Replies held by :meth:`FaultProxy.hold_reply_after` so far."""
 
 
 @dataclass
@@ -112,7 +114,7 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._cuts: list[_Cut] = []
         self._flow_at = 0.0
-        self._accepted = self._cut = self._dropped = self._holding = 0
+        self._accepted = self._cut = self._dropped = self._holding = self._held = 0
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"faultproxy-{self.port}", daemon=True)
@@ -144,7 +146,8 @@ class FaultProxy:
     def hold_reply_after(self, pattern: bytes, seconds: float, *, count: int = 1) -> None:
         """Arm a delay: each of the next ``count`` client reads containing ``pattern`` is forwarded, and the
         server's reply to it (it has committed, when the pattern is a COMMIT) is held ``seconds`` before it
-        is forwarded; the connection stays open. ``stats.holding`` counts the replies held now."""
+        is forwarded; the connection stays open. ``stats.holding`` counts the replies held now, ``stats.held``
+        those held so far."""
         if not 0 < len(pattern) <= TAIL:
             raise ValueError(f"pattern must be 1 to {TAIL} bytes")
         if not 0 < seconds <= 60:
@@ -186,7 +189,7 @@ class FaultProxy:
     def stats(self) -> ProxyStats:
         with self._cond:
             return ProxyStats(
-                self._accepted, self._cut, self._dropped, len(self._links), len(self._cuts), self._holding
+                self._accepted, self._cut, self._dropped, len(self._links), len(self._cuts), self._holding, self._held
             )
 
     # Lifecycle
@@ -280,10 +283,11 @@ class FaultProxy:
                 return cut.hold
             return None
 
-    def _held(self, link: _Link) -> bool:
+    def _hold(self, link: _Link) -> bool:
         """Hold the reply that just arrived for ``link.hold`` seconds; False when the link or proxy closed."""
         with self._cond:
             self._holding += 1
+            self._held += 1
             until = time.monotonic() + link.hold
             try:
                 while not (self._closed or link.closed) and time.monotonic() < until:
@@ -315,7 +319,7 @@ class FaultProxy:
                     tail = (tail + data)[-TAIL:]
                 elif link.cut_by is not None:
                     break  # the server's reply after the matched bytes: drop it, and the connection
-                elif link.hold and not self._held(link):
+                elif link.hold and not self._hold(link):
                     break
                 dst.sendall(data)
         except (OSError, ValueError):

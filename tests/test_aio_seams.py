@@ -285,3 +285,41 @@ def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_
 
     with FaultProxy.for_url(server.url) as proxy:
         asyncio.run(main(proxy))
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_try_poll_timed_out_while_its_commit_reply_is_in_flight_gives_the_message_back(
+    server: Backend, limit: int
+) -> None:
+    from delayq import DelayedQueue
+    from delayq.aio import AsyncDelayedQueue
+
+    queue_name = f"seam-{uuid.uuid4().hex[:12]}"
+    direct = DelayedQueue(server.engine, queue_name)  # the database's clock: a 5 min visibility timeout
+    direct.offer("m", {"n": 1})
+
+    def given_back() -> bool:
+        message = direct.get("m")
+        assert message is not None
+        return not message.locked and message.attempts == 0
+
+    async def main(proxy: FaultProxy) -> None:
+        engine = make_async_engine(proxy.url_for(server.url))
+        # PostgreSQL claims one message in one autocommitted statement: its reply is the COMMIT's.
+        last = b"SKIP LOCKED" if server.name == "postgresql" and limit == 1 else COMMIT[server.name]
+        at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(last, 2.0))
+        queue = AsyncDelayedQueue(engine, queue_name)
+        try:
+            await queue.next_due()  # connected: the claim goes out at once
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(queue.try_poll_many(limit), 0.5)
+            assert proxy.stats.held == 1  # the claim committed, and its reply was held
+            await until(lambda: proxy.stats.holding == 0, "the held reply delivered")
+            await until(given_back, "the cancelled claim's message given back")
+            again = await queue.try_poll()  # due at once: no visibility timeout to wait for
+            assert again is not None and again.attempts == 1 and await again.ack()
+        finally:
+            await engine.dispose()
+
+    with FaultProxy.for_url(server.url) as proxy:
+        asyncio.run(main(proxy))
