@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from conftest import START, Backend, _backend, make_async_engine, make_engine
 from faults import FaultProxy
 
-from delayq import ManualClock, Subscription, Topic
+from delayq import Handler, ManualClock, Subscription, Topic
 from delayq.aio import AsyncSubscription
 from delayq.topics import TopicDelivery
 from delayq.topics.names import partition_for
@@ -323,3 +323,110 @@ def test_a_try_poll_timed_out_while_its_commit_reply_is_in_flight_gives_the_mess
 
     with FaultProxy.for_url(server.url) as proxy:
         asyncio.run(main(proxy))
+
+
+# -- issue 29 row 12: misuse of the sync and async APIs names the class to use ------------------------
+def test_a_delivery_of_an_async_subscription_refuses_its_own_blocking_methods(backend: Backend) -> None:
+    from delayq.errors import WrongApiError
+
+    name, published = two_partition_topic(backend.engine, per_partition=1)
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        try:
+            await sub.rebalance()
+            got = await sub.poll(10)
+            assert sorted(d.message_id for d in got) == sorted(published)
+            for call in (
+                lambda d: d.ack(),
+                lambda d: d.nack(),
+                lambda d: d.fail("x"),
+                lambda d: d.extend(dt.timedelta(seconds=1)),
+            ):
+                with pytest.raises(WrongApiError, match=r"`await sub\.ack\(delivery\)` \(or nack, extend, fail\)"):
+                    call(got[0])
+            assert await sub.ack_many(got) == [True, True]  # nothing was written by the refused calls
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def test_each_class_refuses_the_other_apis_engine_naming_its_twin(backend: Backend) -> None:
+    from delayq import DelayedQueue, Worker
+    from delayq.aio import AsyncDelayedQueue, AsyncHandler, AsyncTopic, AsyncWorker
+    from delayq.errors import WrongApiError
+
+    class Sync(Handler):
+        queue = "q"
+
+        def handle(self, delivery: Any, conn: Any = None) -> None:
+            pass
+
+    class Async(AsyncHandler):
+        queue = "q"
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        try:
+            for build, twin in (
+                (lambda: DelayedQueue(engine, "q"), "delayq.aio.AsyncDelayedQueue"),
+                (lambda: Topic(engine, "t"), "delayq.aio.AsyncTopic"),
+                (lambda: Subscription(engine, "t", "g", "s"), "delayq.aio.AsyncSubscription"),
+                (lambda: Worker(engine, [Sync]), "delayq.aio.AsyncWorker"),
+                (lambda: AsyncDelayedQueue(backend.engine, "q"), "delayq.DelayedQueue"),
+                (lambda: AsyncTopic(backend.engine, "t"), "delayq.Topic"),
+                (lambda: AsyncSubscription(backend.engine, "t", "g", "s"), "delayq.Subscription"),
+                (lambda: AsyncWorker(backend.engine, [Async]), "delayq.Worker"),
+            ):
+                with pytest.raises(WrongApiError) as refused:
+                    build()
+                assert twin + "(" in str(refused.value), str(refused.value)
+                assert isinstance(refused.value, TypeError)  # what these errors were before
+                wrong = {"delayq.aio.AsyncDelayedQueue(", "delayq.DelayedQueue("} - {twin + "("}  # the old messages
+                assert not any(w in str(refused.value) for w in wrong), str(refused.value)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def test_each_operation_refuses_the_other_apis_transaction_naming_its_twin(backend: Backend) -> None:
+    from delayq.aio import AsyncTopic
+    from delayq.errors import WrongApiError
+
+    name, _ = two_partition_topic(backend.engine, per_partition=1)
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        try:
+            async with engine.connect() as aconn:
+                with pytest.raises(WrongApiError, match=r"delayq\.aio\.AsyncTopic"):
+                    Topic(backend.engine, name).publish("k", "m", 1, using=aconn)
+            with backend.engine.connect() as conn, pytest.raises(WrongApiError, match=r"delayq\.Topic\b"):
+                await AsyncTopic(engine, name).publish("k", "m", 1, using=conn)  # type: ignore[arg-type]
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def test_the_sync_delivery_inside_an_async_delivery_refuses_to_block(backend: Backend) -> None:
+    from delayq.aio import AsyncDelayedQueue
+    from delayq.errors import WrongApiError
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        queue = AsyncDelayedQueue(engine, f"seam-{uuid.uuid4().hex[:12]}")
+        try:
+            await queue.offer("m", 1)
+            got = await queue.try_poll()
+            assert got is not None
+            with pytest.raises(WrongApiError, match=r"await delivery\.ack\(\)"):
+                got.delivery.ack()
+            assert await got.ack()  # nothing was written by the refused call
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())

@@ -63,7 +63,7 @@ class AsyncDelayedQueue:
         notify: bool = True,
         max_deliveries: int | None = None,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
         self.engine = engine
         self.sync = DelayedQueue(
             engine.sync_engine,

@@ -40,7 +40,7 @@ class AsyncTopic:
     def __init__(
         self, engine: AsyncEngine, name: str, *, transient_retry: TransientRetry = DEFAULT_RETRY, **options: Any
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncTopic")
         self.sync = Topic(engine.sync_engine, name, transient_retry=NO_RETRY, **options)
         """The sync topic whose operations this one runs."""
 
@@ -145,7 +145,7 @@ class AsyncSubscription:
         transient_retry: TransientRetry = DEFAULT_RETRY,
         **options: Any,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncSubscription")
         self.sync = Subscription(engine.sync_engine, topic, group, name, transient_retry=NO_RETRY, **options)
         """The sync subscription whose operations this one runs."""
         self._kept: list[TopicDelivery] = []  # delivered by a cancelled poll: the next poll returns them

@@ -42,7 +42,7 @@ from delayq.messages import Delivery
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
 from delayq.topics.handler import TopicHandler
-from delayq.transactions import DEFAULT_RETRY, TransientRetry
+from delayq.transactions import DEFAULT_RETRY, TransientRetry, check_api
 from delayq.worker import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
 
 __all__ = ["AsyncHandler", "AsyncWorker"]
@@ -119,8 +119,9 @@ class AsyncWorker(Worker):
         stall_timeout: dt.timedelta | None = dt.timedelta(seconds=60),
         transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
+        check_api(engine, "AsyncWorker")  # a sync Engine: the error names delayq.Worker
         if not isinstance(engine, AsyncEngine):
-            raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}; see delayq.Worker")
+            raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}")
         given = list(handlers)
         for g in given:
             if isinstance(g, TopicHandler) or (isinstance(g, type) and issubclass(g, TopicHandler)):

@@ -102,7 +102,12 @@ class Subscription:
         self.scan_limit = scan_limit
         self.serializer: Serializer = serializer or JsonSerializer()
         self.ctx = TopicContext(
-            engine, clock=clock, table_prefix=table_prefix, schema=schema, transient_retry=transient_retry
+            engine,
+            clock=clock,
+            table_prefix=table_prefix,
+            schema=schema,
+            transient_retry=transient_retry,
+            owner="Subscription",
         )
         self._partitions: int | None = None
         # Replaced, never changed in place (under ``_held_lock``): threads read it without a lock.
