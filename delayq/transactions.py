@@ -97,7 +97,7 @@ class Runner:
         if using is None or isinstance(using, Engine):
             engine = self.engine if using is None else check_sync_engine(using, self.owner)
             if engine.dialect.is_async and not in_greenlet():  # an async engine's sync_engine, called blocking
-                raise WrongApiError(blocking_call_message(self.owner))
+                raise WrongApiError(_blocking_call_message(self.owner))
             return self._retrying(engine, mode, operation)
         conn = caller_connection(using, self.owner)
         try:
@@ -171,7 +171,7 @@ def check_sync_engine(engine: object, owner: str = "DelayedQueue") -> Engine:
     return engine
 
 
-ASYNC_TWINS = {
+_ASYNC_TWINS = {
     "DelayedQueue": "AsyncDelayedQueue",
     "Topic": "AsyncTopic",
     "Subscription": "AsyncSubscription",
@@ -204,10 +204,10 @@ def check_api(value: object, owner: str) -> None:
         )
     if not is_async:
         return
-    twin = ASYNC_TWINS.get(owner)
+    twin = _ASYNC_TWINS.get(owner)
     use = f"for asyncio use delayq.aio.{twin}(async_engine, ...), or " if twin else ""
     kind = type(value).__name__
-    if kind == "AsyncEngine":
+    if isinstance(value, _async_types()[0]):  # an AsyncEngine
         raise WrongApiError(
             f"{owner} takes a sync Engine, not an AsyncEngine: {use}pass async_engine.sync_engine "
             "(the same pool and URL), or build one with sqlalchemy.create_engine"
@@ -228,9 +228,9 @@ _BLOCKING_HINTS = {
 }
 
 
-def blocking_call_message(owner: str) -> str:
+def _blocking_call_message(owner: str) -> str:
     """Why a sync operation on an async engine's ``sync_engine`` cannot run outside asyncio's greenlet."""
-    twin = ASYNC_TWINS.get(owner)
+    twin = _ASYNC_TWINS.get(owner)
     where = f" through delayq.aio.{twin}" if twin else " inside `await conn.run_sync(...)`"
     return (
         f"this {owner} runs on an AsyncEngine, whose operations cannot block the event loop: await them"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
+from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.topics import PartitionInfo, Subscription, Topic, TopicDelivery
 from delayq.topics.dead_letters import TopicDeadLetter
@@ -27,6 +29,7 @@ from delayq.transactions import DEFAULT_RETRY, TransientRetry
 __all__ = ["AsyncSubscription", "AsyncTopic"]
 
 T = TypeVar("T")
+log = logging.getLogger("delayq")
 SyncUsing = Engine | Connection | Session
 
 
@@ -186,6 +189,8 @@ class AsyncSubscription:
         delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
         finishes in the background, and the next ``poll()`` returns what it delivered.
         """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
         if isinstance(using, AsyncConnection | AsyncSession):  # the caller's transaction, the caller's outcome
             return await self._run(using, lambda u: self.sync.poll(limit, using=u))
         if self._polls:  # a cancelled poll still under way: its deliveries come first
@@ -222,8 +227,13 @@ class AsyncSubscription:
 
         def keep(done: asyncio.Task[list[TopicDelivery]]) -> None:
             self._polls.discard(done)
-            if not done.cancelled() and done.exception() is None:
+            if done.cancelled():
+                return
+            failed = done.exception()
+            if failed is None:
                 self._kept.extend(done.result())
+            else:  # it raised before any partition delivered: nothing to keep
+                log.warning("a cancelled poll of %s failed afterwards: %s", self.sync.topic, failed)
 
         self._polls.add(task)  # a strong reference until it ends
         task.add_done_callback(keep)
