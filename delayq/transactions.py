@@ -185,8 +185,17 @@ def check_api(value: object, owner: str) -> None:
 
     ``owner`` is the public class taking ``value`` ("Topic", "AsyncTopic", ...). An ``AsyncEngine``,
     ``AsyncConnection`` or ``AsyncSession`` given to a sync class, or a sync ``Engine``, ``Connection`` or
-    ``Session`` given to a ``delayq.aio`` class, raises ``WrongApiError`` naming the class that takes it.
+    ``Session`` given to a ``delayq.aio`` class, raises ``WrongApiError`` naming the class that takes it; so
+    does a ``delayq.aio`` object (an ``AsyncDelayedQueue``, say) given to a sync class.
     """
+    if type(value).__module__.startswith("delayq.aio") and not owner.startswith("Async"):
+        name = type(value).__name__
+        sync = name.removeprefix("Async")
+        build = f"delayq.{sync}(engine, ...)" if sync in _ASYNC_TWINS else "its sync twin"
+        raise WrongApiError(
+            f"{owner} takes delayq's sync objects, not a delayq.aio.{name}: build {build} on a sync Engine "
+            "(sqlalchemy.create_engine with a sync driver)"
+        )
     is_async = isinstance(value, _async_types())
     if owner.startswith("Async"):
         if is_async or not isinstance(value, Engine | Connection | Session):

@@ -354,7 +354,7 @@ def test_a_delivery_of_an_async_subscription_refuses_its_own_blocking_methods(ba
 
 
 def test_each_class_refuses_the_other_apis_engine_naming_its_twin(backend: Backend) -> None:
-    from delayq import DelayedQueue, Worker
+    from delayq import CronService, DelayedQueue, Worker
     from delayq.aio import AsyncDelayedQueue, AsyncHandler, AsyncTopic, AsyncWorker
     from delayq.errors import WrongApiError
 
@@ -375,6 +375,7 @@ def test_each_class_refuses_the_other_apis_engine_naming_its_twin(backend: Backe
                 (lambda: Topic(engine, "t"), "delayq.aio.AsyncTopic"),
                 (lambda: Subscription(engine, "t", "g", "s"), "delayq.aio.AsyncSubscription"),
                 (lambda: Worker(engine, [Sync]), "delayq.aio.AsyncWorker"),
+                (lambda: CronService(AsyncDelayedQueue(engine, "q")), "delayq.DelayedQueue"),  # it runs a thread
                 (lambda: AsyncDelayedQueue(backend.engine, "q"), "delayq.DelayedQueue"),
                 (lambda: AsyncTopic(backend.engine, "t"), "delayq.Topic"),
                 (lambda: AsyncSubscription(backend.engine, "t", "g", "s"), "delayq.Subscription"),
