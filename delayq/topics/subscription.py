@@ -232,7 +232,9 @@ class Subscription:
         visibility timeout; one that was delivered ``max_attempts`` times already goes to the
         dead-letter topic instead. The watermark of each partition visited advances first.
         Costs one read to find the held partitions with messages above their watermark, then one
-        transaction per such partition visited (partitions take turns between polls).
+        transaction per such partition visited (partitions take turns between polls). In delayq's own
+        transactions, a partition's failure after earlier ones delivered returns their deliveries (they
+        are committed) and logs the error; a poll that delivered nothing yet raises it.
         """
         out: list[TopicDelivery] = []
         for partition in self._poll_order(limit, using):
