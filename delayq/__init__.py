@@ -12,6 +12,7 @@ from delayq.errors import (
     SchemaMissingError,
     SerializationMismatchError,
     UnsupportedDatabaseError,
+    WrongApiError,
 )
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
@@ -58,4 +59,5 @@ __all__ = [
     "UnsupportedDatabaseError",
     "Worker",
     "WorkerHealth",
+    "WrongApiError",
 ]

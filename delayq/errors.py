@@ -10,7 +10,9 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     │   └── PayloadError         the serializer cannot encode the payload, or it is over 8 MiB
     ├── SerializationMismatchError   a stored row was written by another serializer
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
-    └── UnsupportedDatabaseError a backend or server version delayq cannot run on
+    ├── UnsupportedDatabaseError a backend or server version delayq cannot run on
+    └── WrongApiError            an async engine or transaction given to the sync API, or the reverse
+                                 (also a TypeError); it names the class to use
 
 Database errors that are not delayq's (a constraint of yours, a lost connection in
 your own transaction) pass through unchanged as SQLAlchemy exceptions.
@@ -53,3 +55,8 @@ class SchemaMissingError(DelayqError):
 
 class UnsupportedDatabaseError(DelayqError):
     """The database backend or server version cannot run delayq."""
+
+
+class WrongApiError(DelayqError, TypeError):
+    """An ``AsyncEngine``, ``AsyncConnection`` or ``AsyncSession`` given to the sync API, a sync one given to
+    ``delayq.aio``, or a blocking method called on what the async API returned; the message names the fix."""

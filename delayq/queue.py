@@ -141,6 +141,8 @@ class DelayedQueue:
         self.max_deliveries = max_deliveries
         self.tables = make_tables(table_prefix, schema)
         self._runner = Runner(engine, self.tables, transient_retry)
+        self._claiming: str | None = None
+        """The token of the claim under way, or of the last one whose reply never came (``_give_back``)."""
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
@@ -243,10 +245,24 @@ class DelayedQueue:
         def op(conn: Connection, dialect: Dialect) -> list[ClaimedRow]:
             # A fresh token on every attempt: when an attempt's commit succeeded unseen (its reply
             # lost), the rows it locked carry a token nobody holds and return after the timeout.
-            params = {"queue_name": self.name, "limit": limit, "token": new_token(), **self._now_param()}
+            token = self._claiming = new_token()
+            params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
-        return self._deliveries(self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit)), using)
+        self._claiming = None
+        rows = self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit))
+        self._claiming = None  # the claim came back: its rows are in hand
+        return self._deliveries(rows, using)
+
+    def _give_back(self, token: str, *, using: Using = None) -> int:
+        """Give back every message of a claim whose outcome is unknown to its caller (an asyncio claim cancelled
+        while its COMMIT was in flight): due as when claimed, unlocked, the attempt not counted; how many."""
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            params = {"queue_name": self.name, "token": token, "vt": self._visibility_ms}
+            return int(conn.execute(self._statements(dialect).unclaim_token, params).rowcount)
+
+        return self._runner.run(using, op, "statement")
 
     def release(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Give deliveries back unprocessed: due again at once, the attempt not counted.

@@ -21,9 +21,10 @@ from typing import TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.util.concurrency import in_greenlet
 
 from delayq.dialects import Dialect, Mode, dialect_for
-from delayq.errors import SchemaMissingError
+from delayq.errors import SchemaMissingError, WrongApiError
 from delayq.schema import Tables
 
 log = logging.getLogger("delayq")
@@ -72,12 +73,18 @@ DEFAULT_RETRY = TransientRetry()
 
 
 class Runner:
-    """Runs operations against one engine and table set, always on SQLAlchemy's own ``Connection``."""
+    """Runs operations against one engine and table set, always on SQLAlchemy's own ``Connection``.
 
-    def __init__(self, engine: Engine, tables: Tables, retry: TransientRetry = DEFAULT_RETRY) -> None:
-        self.engine = check_sync_engine(engine)
+    ``owner`` names the public class whose operations it runs, for the errors that name its async twin.
+    """
+
+    def __init__(
+        self, engine: Engine, tables: Tables, retry: TransientRetry = DEFAULT_RETRY, owner: str = "DelayedQueue"
+    ) -> None:
+        self.engine = check_sync_engine(engine, owner)
         self.tables = tables
         self.retry = retry
+        self.owner = owner
         self.dialect = dialect_for(engine)
 
     def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
@@ -88,9 +95,11 @@ class Runner:
         runs once and errors reach the caller.
         """
         if using is None or isinstance(using, Engine):
-            engine = self.engine if using is None else check_sync_engine(using)
+            engine = self.engine if using is None else check_sync_engine(using, self.owner)
+            if engine.dialect.is_async and not in_greenlet():  # an async engine's sync_engine, called blocking
+                raise WrongApiError(_blocking_call_message(self.owner))
             return self._retrying(engine, mode, operation)
-        conn = caller_connection(using)
+        conn = caller_connection(using, self.owner)
         try:
             dialect_for(conn.engine).verify()
             self.dialect.prepare(conn.connection.driver_connection)
@@ -145,38 +154,101 @@ class Runner:
             ) from exc
 
 
-def caller_connection(using: Connection | Session) -> Connection:
+def caller_connection(using: Connection | Session, owner: str = "DelayedQueue") -> Connection:
     """The ``Connection`` of the caller's transaction (a ``Session``'s, for an ORM session)."""
-    _refuse_async(using)
+    check_api(using, owner)
     conn = using.connection() if isinstance(using, Session) else using
     if not isinstance(conn, Connection):
         raise TypeError(f"using= takes an Engine, a Connection or a Session, not {type(using).__name__}")
     return conn
 
 
-def check_sync_engine(engine: object) -> Engine:
+def check_sync_engine(engine: object, owner: str = "DelayedQueue") -> Engine:
     """``engine`` if it is a sync ``Engine``; a ``TypeError`` that names the alternative otherwise."""
-    _refuse_async(engine)
+    check_api(engine, owner)
     if not isinstance(engine, Engine):
         raise TypeError(f"delayq takes a SQLAlchemy Engine (sqlalchemy.create_engine), not {type(engine).__name__}")
     return engine
 
 
-def _refuse_async(value: object) -> None:
-    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")  # loaded wherever an async object exists
-    if asyncio_ext is None:
+_ASYNC_TWINS = {
+    "DelayedQueue": "AsyncDelayedQueue",
+    "Topic": "AsyncTopic",
+    "Subscription": "AsyncSubscription",
+    "Worker": "AsyncWorker",
+}
+"""The public classes with an async twin in ``delayq.aio``, by name."""
+
+
+def check_api(value: object, owner: str) -> None:
+    """The one check of which API an engine or a ``using=`` belongs to, for sync and async classes alike.
+
+    ``owner`` is the public class taking ``value`` ("Topic", "AsyncTopic", ...). An ``AsyncEngine``,
+    ``AsyncConnection`` or ``AsyncSession`` given to a sync class, or a sync ``Engine``, ``Connection`` or
+    ``Session`` given to a ``delayq.aio`` class, raises ``WrongApiError`` naming the class that takes it; so
+    does a ``delayq.aio`` object (an ``AsyncDelayedQueue``, say) given to a sync class.
+    """
+    if type(value).__module__.startswith("delayq.aio") and not owner.startswith("Async"):
+        name = type(value).__name__
+        sync = name.removeprefix("Async")
+        build = f"delayq.{sync}(engine, ...)" if sync in _ASYNC_TWINS else "its sync twin"
+        raise WrongApiError(
+            f"{owner} takes delayq's sync objects, not a delayq.aio.{name}: build {build} on a sync Engine "
+            "(sqlalchemy.create_engine with a sync driver)"
+        )
+    is_async = isinstance(value, _async_types())
+    if owner.startswith("Async"):
+        if is_async or not isinstance(value, Engine | Connection | Session):
+            return
+        sync = owner.removeprefix("Async")
+        kind = type(value).__name__
+        if isinstance(value, Engine):
+            raise WrongApiError(
+                f"{owner} takes an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), not an Engine: "
+                f"for a sync Engine use delayq.{sync}(engine, ...)"
+            )
+        raise WrongApiError(
+            f"{owner}'s using= takes an AsyncConnection or AsyncSession, not a {kind}: for a sync {kind} use "
+            f"delayq.{sync}(engine, ...)"
+        )
+    if not is_async:
         return
-    if isinstance(value, asyncio_ext.AsyncEngine):
-        raise TypeError(
-            "delayq's queue takes a sync Engine, not an AsyncEngine: for asyncio use "
-            "delayq.aio.AsyncDelayedQueue(async_engine, ...), or pass async_engine.sync_engine "
+    twin = _ASYNC_TWINS.get(owner)
+    use = f"for asyncio use delayq.aio.{twin}(async_engine, ...), or " if twin else ""
+    kind = type(value).__name__
+    if isinstance(value, _async_types()[0]):  # an AsyncEngine
+        raise WrongApiError(
+            f"{owner} takes a sync Engine, not an AsyncEngine: {use}pass async_engine.sync_engine "
             "(the same pool and URL), or build one with sqlalchemy.create_engine"
         )
-    if isinstance(value, asyncio_ext.AsyncConnection | asyncio_ext.AsyncSession):
-        kind = type(value).__name__
-        name = "session" if kind == "AsyncSession" else "conn"
-        raise TypeError(
-            f"using= takes a sync Connection or Session, not an {kind}: use delayq.aio.AsyncDelayedQueue "
-            f"(`await queue.offer(..., using={name})`), or run the operation inside "
-            f"`await {name}.run_sync(lambda sync: queue.offer(..., using=sync))`"
-        )
+    name = "session" if kind == "AsyncSession" else "conn"
+    awaited = f"await the operation of delayq.aio.{twin} with using={name}, or " if twin else ""
+    raise WrongApiError(
+        f"{owner}'s using= takes a sync Connection or Session, not an {kind}: {awaited}run it inside "
+        f"`await {name}.run_sync(...)` with the sync Connection that passes"
+    )
+
+
+_BLOCKING_HINTS = {
+    "DelayedQueue": "; for a delivery: `await delivery.ack()` (or retry, extend, dead_letter) on the "
+    "AsyncDelivery, not on its .delivery",
+    "Subscription": "; for a delivery: `await sub.ack(delivery)` (or nack, extend, fail) on the "
+    "AsyncSubscription, not `delivery.ack()`",
+}
+
+
+def _blocking_call_message(owner: str) -> str:
+    """Why a sync operation on an async engine's ``sync_engine`` cannot run outside asyncio's greenlet."""
+    twin = _ASYNC_TWINS.get(owner)
+    where = f" through delayq.aio.{twin}" if twin else " inside `await conn.run_sync(...)`"
+    return (
+        f"this {owner} runs on an AsyncEngine, whose operations cannot block the event loop: await them"
+        f"{where}{_BLOCKING_HINTS.get(owner, '')}"
+    )
+
+
+def _async_types() -> tuple[type, ...]:
+    asyncio_ext = sys.modules.get("sqlalchemy.ext.asyncio")  # loaded wherever an async object exists
+    if asyncio_ext is None:
+        return ()
+    return (asyncio_ext.AsyncEngine, asyncio_ext.AsyncConnection, asyncio_ext.AsyncSession)

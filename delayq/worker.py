@@ -41,6 +41,7 @@ from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
 from delayq.topics.consumer import TopicConsumer, TopicConsumers
 from delayq.topics.handler import TopicHandler
+from delayq.transactions import check_api
 from delayq.watchdog import Watchdog
 
 log = logging.getLogger("delayq.worker")
@@ -130,6 +131,7 @@ class Worker:
         listen: bool = True,
         stall_timeout: dt.timedelta | None = dt.timedelta(seconds=60),
     ) -> None:
+        check_api(engine, "Worker")
         if concurrency < 1:
             raise InvalidInputError("concurrency must be at least 1")
         self.engine = engine

@@ -1,8 +1,9 @@
 """Deterministic, bounded fault injection for tests against real databases.
 
 * :class:`FaultProxy` — a TCP proxy in front of a database server that can cut a connection right after a
-  chosen statement reaches the server (the server commits, the client never hears), cut every connection
-  at once (a restart as clients see it), or stop all traffic for a while (a network black hole).
+  chosen statement reaches the server (the server commits, the client never hears), hold the reply to
+  such a statement for a while (the server committed, the client still waits), cut every connection at
+  once (a restart as clients see it), or stop all traffic for a while (a network black hole).
 * :func:`hold_row_lock` — another transaction holding row locks (SQLite: the database write lock).
 * :func:`exhausted_pool` — every connection an engine's pool allows, checked out and held.
 * :class:`Frozen` / :func:`freeze` and :func:`sigkill` — stop, resume and kill processes the test started.
@@ -53,6 +54,10 @@ class ProxyStats:
     """Connections open now."""
     armed: int = 0
     """Cuts armed by :meth:`FaultProxy.cut_after` that have not fired yet."""
+    holding: int = 0
+    """Replies held by :meth:`FaultProxy.hold_reply_after` now."""
+    held: int = 0
+    """Replies held by :meth:`FaultProxy.hold_reply_after` so far."""
 
 
 @dataclass
@@ -61,6 +66,8 @@ class _Cut:
     skip: int
     count: int
     ignore_case: bool
+    hold: float = 0.0
+    """Seconds to hold the reply (then forward it, the connection kept); 0 cuts the connection instead."""
 
 
 class _Link:
@@ -72,6 +79,8 @@ class _Link:
         """Never forwards again (a peer gone silent for good), until closed."""
         self.cut_by: float | None = None
         """Once a cut matched: when to cut even if the server has not replied."""
+        self.hold: float = 0.0
+        """Once a hold matched: how long to hold the server's next reply before forwarding it."""
         self.closed = False
         self._lock = threading.Lock()
 
@@ -105,7 +114,7 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._cuts: list[_Cut] = []
         self._flow_at = 0.0
-        self._accepted = self._cut = self._dropped = 0
+        self._accepted = self._cut = self._dropped = self._holding = self._held = 0
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"faultproxy-{self.port}", daemon=True)
@@ -133,6 +142,18 @@ class FaultProxy:
             raise ValueError(f"pattern must be 1 to {TAIL} bytes")
         with self._cond:
             self._cuts.append(_Cut(pattern, skip, count, ignore_case))
+
+    def hold_reply_after(self, pattern: bytes, seconds: float, *, count: int = 1) -> None:
+        """Arm a delay: each of the next ``count`` client reads containing ``pattern`` is forwarded, and the
+        server's reply to it (it has committed, when the pattern is a COMMIT) is held ``seconds`` before it
+        is forwarded; the connection stays open. ``stats.holding`` counts the replies held now, ``stats.held``
+        those held so far."""
+        if not 0 < len(pattern) <= TAIL:
+            raise ValueError(f"pattern must be 1 to {TAIL} bytes")
+        if not 0 < seconds <= 60:
+            raise ValueError("seconds must be above 0 and at most 60")
+        with self._cond:
+            self._cuts.append(_Cut(pattern, 0, count, False, hold=seconds))
 
     def cut_all(self) -> None:
         """Close every current connection, both sides, now; new connections are still accepted."""
@@ -167,7 +188,9 @@ class FaultProxy:
     @property
     def stats(self) -> ProxyStats:
         with self._cond:
-            return ProxyStats(self._accepted, self._cut, self._dropped, len(self._links), len(self._cuts))
+            return ProxyStats(
+                self._accepted, self._cut, self._dropped, len(self._links), len(self._cuts), self._holding, self._held
+            )
 
     # Lifecycle
 
@@ -239,8 +262,9 @@ class FaultProxy:
                 self._cond.wait(min(left, TICK))
             return False
 
-    def _matches(self, tail: bytes, data: bytes) -> bool:
-        """Whether an armed cut fires on this read (only matches ending in ``data`` count)."""
+    def _matches(self, tail: bytes, data: bytes) -> float | None:
+        """The hold of the armed cut that fires on this read (0.0: a cut), or None (only matches ending
+        in ``data`` count)."""
         with self._cond:
             for cut in self._cuts:
                 buf, pattern = tail + data, cut.pattern
@@ -254,9 +278,24 @@ class FaultProxy:
                 cut.count -= 1
                 if cut.count <= 0:
                     self._cuts.remove(cut)
-                self._cut += 1
-                return True
-            return False
+                if not cut.hold:
+                    self._cut += 1
+                return cut.hold
+            return None
+
+    def _hold(self, link: _Link) -> bool:
+        """Hold the reply that just arrived for ``link.hold`` seconds; False when the link or proxy closed."""
+        with self._cond:
+            self._holding += 1
+            self._held += 1
+            until = time.monotonic() + link.hold
+            try:
+                while not (self._closed or link.closed) and time.monotonic() < until:
+                    self._cond.wait(min(TICK, until - time.monotonic()))
+                link.hold = 0.0
+                return not (self._closed or link.closed)
+            finally:
+                self._holding -= 1
 
     def _pump(self, link: _Link, upstream: bool) -> None:
         src, dst = (link.client, link.server) if upstream else (link.server, link.client)
@@ -272,11 +311,16 @@ class FaultProxy:
                 if not data or not self._wait_flowing(link):
                     break
                 if upstream:
-                    if link.cut_by is None and self._matches(tail, data):
+                    fired = self._matches(tail, data) if link.cut_by is None and not link.hold else None
+                    if fired:
+                        link.hold = fired
+                    elif fired is not None:
                         link.cut_by = time.monotonic() + CUT_WAIT
                     tail = (tail + data)[-TAIL:]
                 elif link.cut_by is not None:
                     break  # the server's reply after the matched bytes: drop it, and the connection
+                elif link.hold and not self._hold(link):
+                    break
                 dst.sendall(data)
         except (OSError, ValueError):
             pass

@@ -31,6 +31,12 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_retry",
         "_extend",
         "_dead_letter",
+        "_poll_order",  # AsyncSubscription.poll runs Subscription.poll's steps, one partition per transaction
+        "_poll_one",
+        "_poll_failed",
+        "_claiming",  # AsyncWorker gives back a claim cancelled in flight by its token
+        "_give_back",
+        "_claim",  # (super()._claim: AsyncWorker notes the claims that never came back)
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",

@@ -42,6 +42,7 @@ EXPECTED = {
     "UnsupportedDatabaseError",
     "Worker",
     "WorkerHealth",
+    "WrongApiError",
 }
 
 

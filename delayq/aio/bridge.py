@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.util import greenlet_spawn
 
 from delayq.dialects import dialect_for
-from delayq.transactions import TransientRetry
+from delayq.transactions import TransientRetry, check_api
 
 __all__ = ["NO_RETRY", "AsyncUsing", "Bridge"]
 
@@ -44,12 +44,14 @@ SyncCall = Callable[[Engine | Connection | Session], T]
 class Bridge:
     """Runs sync operations of one ``AsyncEngine``'s sync engine from coroutines."""
 
-    def __init__(self, engine: AsyncEngine, retry: TransientRetry) -> None:
+    def __init__(self, engine: AsyncEngine, retry: TransientRetry, owner: str) -> None:
+        check_api(engine, owner)  # a sync Engine: the error names owner's sync twin
         if not isinstance(engine, AsyncEngine):
             raise TypeError(
-                f"delayq.aio takes an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
-                f"not {type(engine).__name__}; for a sync Engine use delayq.DelayedQueue"
+                f"{owner} takes an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
+                f"not {type(engine).__name__}"
             )
+        self.owner = owner
         self.engine = engine
         self.retry = retry
         self.dialect = dialect_for(engine.sync_engine)
@@ -60,6 +62,7 @@ class Bridge:
             return await using.run_sync(call)
         if using is None or isinstance(using, AsyncEngine):
             return await self._retrying((using or self.engine).sync_engine, call)
+        check_api(using, self.owner)  # a sync Connection or Session: the error names owner's sync twin
         raise TypeError(
             f"using= takes an AsyncEngine, an AsyncConnection or an AsyncSession, not {type(using).__name__}"
         )

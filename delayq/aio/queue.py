@@ -6,14 +6,16 @@ SQLAlchemy's greenlets (see ``delayq.aio.bridge``): one implementation of every 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
+import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
@@ -28,6 +30,7 @@ from delayq.transactions import DEFAULT_RETRY, TransientRetry
 __all__ = ["AsyncDelayedQueue", "AsyncDelivery"]
 
 T = TypeVar("T")
+log = logging.getLogger("delayq")
 SyncUsing = Engine | Connection | Session
 
 
@@ -60,7 +63,7 @@ class AsyncDelayedQueue:
         notify: bool = True,
         max_deliveries: int | None = None,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
         self.engine = engine
         self.sync = DelayedQueue(
             engine.sync_engine,
@@ -75,6 +78,7 @@ class AsyncDelayedQueue:
             max_deliveries=max_deliveries,
         )
         """The sync queue whose operations this one runs (its engine is ``engine.sync_engine``)."""
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     @property
     def name(self) -> str:
@@ -111,9 +115,46 @@ class AsyncDelayedQueue:
         return found[0] if found else None
 
     async def try_poll_many(self, limit: int, *, using: AsyncUsing = None) -> list[AsyncDelivery]:
-        """Lock up to ``limit`` due messages, oldest due first; see ``DelayedQueue.try_poll_many``."""
-        found = await self._run(using, lambda u: self.sync.try_poll_many(limit, using=u))
+        """Lock up to ``limit`` due messages, oldest due first; see ``DelayedQueue.try_poll_many``.
+
+        In delayq's own transaction, a claim cancelled meanwhile (``asyncio.wait_for`` included) goes on
+        until it comes back, then gives back what it took (due again, the attempt not counted): a
+        cancellation never leaves messages locked that nobody holds.
+        """
+
+        def claim(u: SyncUsing) -> list[Delivery]:
+            return self.sync.try_poll_many(limit, using=u)
+
+        if isinstance(using, AsyncConnection | AsyncSession):  # the caller's transaction, the caller's outcome
+            found = await self._run(using, claim)
+        else:
+            claiming = asyncio.ensure_future(self._run(using, claim))
+            try:
+                found = await asyncio.shield(claiming)
+            except asyncio.CancelledError:
+                self._give_back_when_done(claiming, using)
+                raise
         return [AsyncDelivery(d, self) for d in found]
+
+    def _give_back_when_done(self, claiming: asyncio.Future[list[Delivery]], using: AsyncEngine | None) -> None:
+        """Release what a cancelled claim took, once it comes back."""
+
+        async def give_back() -> None:
+            try:
+                found = await claiming
+                if found:
+                    await self._run(using, lambda u: self.sync.release(found, using=u))
+            except Exception as exc:
+                log.warning(
+                    "queue %s: could not give back a cancelled claim (%s); its messages return after their "
+                    "lock expires",
+                    self.name,
+                    exc,
+                )
+
+        task = asyncio.ensure_future(give_back())
+        self._giving_back.add(task)  # a strong reference until it ends
+        task.add_done_callback(self._giving_back.discard)
 
     async def release(self, deliveries: Sequence[AsyncDelivery], *, using: AsyncUsing = None) -> int:
         """Give deliveries back unprocessed (due at once, the attempt not counted); how many were held."""

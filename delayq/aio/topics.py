@@ -8,15 +8,19 @@ sync API's ``TopicDelivery`` records; in a coroutine, act on them through the su
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import functools
+import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
+from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.topics import PartitionInfo, Subscription, Topic, TopicDelivery
 from delayq.topics.dead_letters import TopicDeadLetter
@@ -25,6 +29,7 @@ from delayq.transactions import DEFAULT_RETRY, TransientRetry
 __all__ = ["AsyncSubscription", "AsyncTopic"]
 
 T = TypeVar("T")
+log = logging.getLogger("delayq")
 SyncUsing = Engine | Connection | Session
 
 
@@ -38,7 +43,7 @@ class AsyncTopic:
     def __init__(
         self, engine: AsyncEngine, name: str, *, transient_retry: TransientRetry = DEFAULT_RETRY, **options: Any
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncTopic")
         self.sync = Topic(engine.sync_engine, name, transient_retry=NO_RETRY, **options)
         """The sync topic whose operations this one runs."""
 
@@ -147,9 +152,11 @@ class AsyncSubscription:
         transient_retry: TransientRetry = DEFAULT_RETRY,
         **options: Any,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry)
+        self.bridge = Bridge(engine, transient_retry, "AsyncSubscription")
         self.sync = Subscription(engine.sync_engine, topic, group, name, transient_retry=NO_RETRY, **options)
         """The sync subscription whose operations this one runs."""
+        self._kept: list[TopicDelivery] = []  # delivered by a cancelled poll: the next poll returns them
+        self._polls: set[asyncio.Task[list[TopicDelivery]]] = set()
 
     def __repr__(self) -> str:
         return f"AsyncSubscription({self.sync.topic!r}, group={self.sync.group!r}, name={self.sync.name!r})"
@@ -179,8 +186,61 @@ class AsyncSubscription:
         await self._run(using, lambda u: self.sync.close(using=u))
 
     async def poll(self, limit: int = 10, *, using: AsyncUsing = None) -> list[TopicDelivery]:
-        """Up to ``limit`` deliverable messages of the held partitions, in offset order per partition."""
-        return await self._run(using, lambda u: self.sync.poll(limit, using=u))
+        """Up to ``limit`` deliverable messages of the held partitions, in offset order per partition.
+
+        In delayq's own transactions (one per partition), nothing a poll committed is dropped: a
+        transient error is retried for its partition alone; any other error after earlier partitions
+        delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
+        finishes in the background, and the next ``poll()`` returns what it delivered.
+        """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
+        if isinstance(using, AsyncConnection | AsyncSession):  # the caller's transaction, the caller's outcome
+            return await self._run(using, lambda u: self.sync.poll(limit, using=u))
+        if self._polls:  # a cancelled poll still under way: its deliveries come first
+            await asyncio.wait(set(self._polls))
+        if self._kept:
+            kept, self._kept = self._kept[:limit], self._kept[limit:]
+            return kept
+        task = asyncio.ensure_future(self._poll_owned(limit, using))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._keep_when_done(task)
+            raise
+
+    async def _poll_owned(self, limit: int, using: AsyncEngine | None) -> list[TopicDelivery]:
+        """``Subscription.poll``, each partition's transaction retried on its own by the bridge."""
+        order = await self._run(using, lambda u: self.sync._poll_order(limit, u))
+        out: list[TopicDelivery] = []
+        for partition in order:
+            try:
+                got = await self._run(using, functools.partial(self.sync._poll_one, partition, limit - len(out)))
+            except Exception as exc:
+                if not out:
+                    raise
+                self.sync._poll_failed(partition, exc)
+                break
+            out.extend(got)
+            if len(out) >= limit:
+                break
+        return out
+
+    def _keep_when_done(self, task: asyncio.Task[list[TopicDelivery]]) -> None:
+        """A cancelled poll's deliveries are committed (or about to be): keep them for the next poll."""
+
+        def keep(done: asyncio.Task[list[TopicDelivery]]) -> None:
+            self._polls.discard(done)
+            if done.cancelled():
+                return
+            failed = done.exception()
+            if failed is None:
+                self._kept.extend(done.result())
+            else:  # it raised before any partition delivered: nothing to keep
+                log.warning("a cancelled poll of %s failed afterwards: %s", self.sync.topic, failed)
+
+        self._polls.add(task)  # a strong reference until it ends
+        task.add_done_callback(keep)
 
     async def advance_watermarks(self, *, using: AsyncUsing = None) -> dict[int, int]:
         """Move each held partition's watermark past its contiguously acked offsets."""

@@ -42,7 +42,7 @@ from delayq.messages import Delivery
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
 from delayq.topics.handler import TopicHandler
-from delayq.transactions import DEFAULT_RETRY, TransientRetry
+from delayq.transactions import DEFAULT_RETRY, TransientRetry, check_api
 from delayq.worker import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
 
 __all__ = ["AsyncHandler", "AsyncWorker"]
@@ -119,8 +119,9 @@ class AsyncWorker(Worker):
         stall_timeout: dt.timedelta | None = dt.timedelta(seconds=60),
         transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
+        check_api(engine, "AsyncWorker")  # a sync Engine: the error names delayq.Worker
         if not isinstance(engine, AsyncEngine):
-            raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}; see delayq.Worker")
+            raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}")
         given = list(handlers)
         for g in given:
             if isinstance(g, TopicHandler) or (isinstance(g, type) and issubclass(g, TopicHandler)):
@@ -161,6 +162,7 @@ class AsyncWorker(Worker):
             self.async_queues[name] = aq
             self._queues[name] = (h, aq.sync)  # the sync core, retried by the worker's loops
         self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
+        self._unknown_claims: list[tuple[str, str]] = []  # (queue, token) of claims whose reply never came
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
         self._acks_due: asyncio.Event | None = None  # a handled delivery awaits its ack
@@ -219,7 +221,10 @@ class AsyncWorker(Worker):
         done = 0
         while True:
             before = set(self._tasks.values())
-            started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
+            try:
+                started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
+            finally:
+                await self._give_back_unknown_claims()
             new = [t for t in self._tasks.values() if t not in before]
             if new:
                 await asyncio.wait(new)
@@ -269,6 +274,7 @@ class AsyncWorker(Worker):
         while not self._stopping.is_set():
             assert self._nudge is not None
             self._nudge.clear()  # a wake-up from now on ends the next pause
+            await self._give_back_unknown_claims()
             try:  # (acks go out from their own task meanwhile)
                 free = self._free_slots()
                 started = await self._call(self._fetch, free) if free else []
@@ -343,6 +349,7 @@ class AsyncWorker(Worker):
     async def _shutdown_async(self, grace: float) -> None:
         """Wait for running handlers (acking meanwhile) up to ``grace`` seconds, then cancel and
         release what still runs."""
+        await self._give_back_unknown_claims()
         await self._stop_ack_task()
         deadline = time.monotonic() + grace
         while True:
@@ -357,6 +364,10 @@ class AsyncWorker(Worker):
             for task in running:
                 task.cancel()  # each releases its message
             await asyncio.wait(running, timeout=5.0)
+        # A task cancelled before its first step never ran its handler, nor the release: give those back here.
+        unstarted = [x for x in self._leases.still_running() if (t := self._tasks.get(id(x))) is None or t.done()]
+        if unstarted:
+            await self._bounded(self._leases.release, unstarted, "cancelled before its handler started")
         await self._flush_acks_async()
         unacked = self._leases.clear()
         if unacked:
@@ -368,6 +379,46 @@ class AsyncWorker(Worker):
             await self._call(self._flush_acks)
         except Exception as exc:  # (a stalled call) the next flush tries again
             log.warning("could not ack: %s", describe(exc))
+
+    # -- claims ---------------------------------------------------------------------------------
+    def _claim(self, name: str, limit: int, guard: bool) -> list[Task]:
+        """``Worker._claim``, noting a claim that did not come back: cancelled (``run()`` cancelled, or the
+        stall timeout) or failed while it was in flight. The server may have committed it, and no lease
+        holds its messages: ``_give_back_unknown_claims`` gives them back by the claim's token."""
+        queue = self._queues[name][1]
+        try:
+            started = super()._claim(name, limit, guard)
+        except BaseException:
+            self._note_unknown_claim(name, queue._claiming)
+            raise
+        self._note_unknown_claim(name, queue._claiming)  # set only when the claim failed (and was logged)
+        return started
+
+    def _note_unknown_claim(self, name: str, token: str | None) -> None:
+        if token is not None:
+            self._unknown_claims.append((name, token))
+
+    async def _give_back_unknown_claims(self) -> None:
+        """Give back what the claims that never came back took (due as when claimed, the attempt not counted),
+        each in delayq's own retried transaction, bounded by ``stall_timeout``."""
+        while self._unknown_claims:
+            name, token = self._unknown_claims.pop()
+            await self._give_back_claim(self.async_queues[name], token)
+
+    async def _give_back_claim(self, aq: AsyncDelayedQueue, token: str) -> None:
+        try:
+            async with asyncio.timeout(self._stall_timeout):
+                given = await aq.bridge.run(None, lambda u: aq.sync._give_back(token, using=u))
+        except Exception as exc:
+            log.warning(
+                "queue %s: could not give back a claim whose reply never came (%s); "
+                "its messages return after their lock expires",
+                aq.name,
+                describe(exc),
+            )
+            return
+        if given:
+            log.info("queue %s: gave back %d message(s) of a claim whose reply never came", aq.name, given)
 
     # -- one delivery ---------------------------------------------------------------------------
     def _execute(self, lease: Lease) -> None:

@@ -19,6 +19,7 @@ from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue
 from delayq.serializers import encode
+from delayq.transactions import check_api
 
 log = logging.getLogger("delayq.cron")
 
@@ -33,6 +34,7 @@ class CronService:
     """
 
     def __init__(self, queue: DelayedQueue, *, max_refresh: dt.timedelta = dt.timedelta(minutes=15)) -> None:
+        check_api(queue, "CronService")
         self.queue = queue
         self.max_refresh = max_refresh
         self.min_refresh = dt.timedelta(seconds=1)

@@ -153,6 +153,13 @@ class Statements:
         self.unclaim = (
             sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
+        # A claim whose reply never came (cancelled in flight): its rows by its token, which no one else can
+        # hold (a fresh one per claim); their lock's expiry minus the visibility timeout is the claim's now.
+        self.unclaim_token = (
+            sa.update(m)
+            .where(m.c.queue == queue, m.c.lock_token == _bp("token", sa.String))
+            .values(scheduled_at=m.c.scheduled_at - _bp("vt"), lock_token=None, attempts=m.c.attempts - 1)
+        )
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
         # Deliveries of several claims: each id with its own token.
         self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token))

@@ -27,12 +27,13 @@ class TopicContext:
         table_prefix: str = DEFAULT_PREFIX,
         schema: str | None = None,
         transient_retry: TransientRetry = DEFAULT_RETRY,
+        owner: str = "Topic",
     ) -> None:
         self.engine = engine
         self.clock = clock
         self.prefix, self.schema = table_prefix, schema
         self.tables = make_tables(table_prefix, schema)
-        self.runner = Runner(engine, self.tables, transient_retry)
+        self.runner = Runner(engine, self.tables, transient_retry, owner)
 
     def stmts(self, dialect: Dialect) -> TopicStatements:
         return statements_for(dialect, self.prefix, self.schema, self.clock is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
 import math
 import threading
 from collections.abc import Callable, Collection
@@ -30,6 +31,7 @@ from delayq.topics.statements import PENDING, TopicStatements
 from delayq.topics.topic import ensure_topic
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
 
+log = logging.getLogger("delayq")
 T = TypeVar("T")
 Start = Literal["earliest", "latest"]
 
@@ -100,7 +102,12 @@ class Subscription:
         self.scan_limit = scan_limit
         self.serializer: Serializer = serializer or JsonSerializer()
         self.ctx = TopicContext(
-            engine, clock=clock, table_prefix=table_prefix, schema=schema, transient_retry=transient_retry
+            engine,
+            clock=clock,
+            table_prefix=table_prefix,
+            schema=schema,
+            transient_retry=transient_retry,
+            owner="Subscription",
         )
         self._partitions: int | None = None
         # Replaced, never changed in place (under ``_held_lock``): threads read it without a lock.
@@ -229,34 +236,66 @@ class Subscription:
         visibility timeout; one that was delivered ``max_attempts`` times already goes to the
         dead-letter topic instead. The watermark of each partition visited advances first.
         Costs one read to find the held partitions with messages above their watermark, then one
-        transaction per such partition visited (partitions take turns between polls).
+        transaction per such partition visited (partitions take turns between polls). In delayq's own
+        transactions, a partition's failure after earlier ones delivered returns their deliveries (they
+        are committed) and logs the error; a poll that delivered nothing yet raises it.
         """
-        if not isinstance(limit, int) or limit < 1:
-            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
-        if not self._held:
-            return []
-
-        candidates = sorted(p for p, (mark, head) in self._progress(using).items() if head > mark)
-        if not candidates:
-            return []
-        self._turn = (self._turn + 1) % len(candidates)
-        order = candidates[self._turn :] + candidates[: self._turn]
         out: list[TopicDelivery] = []
-        for partition in order:
-            epoch = self._held.get(partition)
-            if epoch is None:
-                continue
-            want = limit - len(out)
-            got = self.ctx.runner.run(
-                using, functools.partial(self._poll_partition, p=partition, e=epoch, want=want), "transaction"
-            )
-            if got is None:
-                self._drop(partition)
-                continue
+        for partition in self._poll_order(limit, using):
+            try:
+                got = self._poll_one(partition, limit - len(out), using)
+            except Exception as exc:
+                if not out or not self._owned(using):
+                    raise
+                self._poll_failed(partition, exc)
+                break
             out.extend(got)
             if len(out) >= limit:
                 break
         return out
+
+    def _poll_order(self, limit: int, using: Using) -> list[int]:
+        """The held partitions with messages above their watermark, in this poll's turn (one read)."""
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
+        if not self._held:
+            return []
+        candidates = sorted(p for p, (mark, head) in self._progress(using).items() if head > mark)
+        if not candidates:
+            return []
+        self._turn = (self._turn + 1) % len(candidates)
+        return candidates[self._turn :] + candidates[: self._turn]
+
+    def _poll_one(self, partition: int, want: int, using: Using) -> list[TopicDelivery]:
+        """Up to ``want`` deliveries of one held partition, in a transaction of its own (or the caller's)."""
+        epoch = self._held.get(partition)
+        if epoch is None:
+            return []
+        got = self.ctx.runner.run(
+            using, functools.partial(self._poll_partition, p=partition, e=epoch, want=want), "transaction"
+        )
+        if got is None:
+            self._drop(partition)
+            return []
+        return got
+
+    def _poll_failed(self, partition: int, exc: Exception) -> None:
+        """A later partition's transaction failed: the deliveries of those before it are committed, so the
+        poll returns them (never drops them); this partition's transaction rolled back, and a poll where it
+        comes first (partitions take turns) raises the error if it persists."""
+        first_line = str(exc).strip().partition("\n")[0]
+        log.warning(
+            "poll of %s[%d] failed (%s: %s); returning the earlier partitions' deliveries",
+            self.topic,
+            partition,
+            type(exc).__name__,
+            first_line,
+        )
+
+    @staticmethod
+    def _owned(using: Using) -> bool:
+        """Whether ``using`` has delayq run its own transactions (None or an Engine)."""
+        return using is None or isinstance(using, Engine)
 
     def advance_watermarks(self, *, using: Using = None) -> dict[int, int]:
         """Advance the watermark of every partition held past its contiguous done messages, and delete the
