@@ -103,6 +103,15 @@ class Leases:
             self._running = 0
             return left
 
+    def forget_handled(self) -> int:
+        """Forget the leases whose handlers returned but whose acks did not go out (their locks run out by
+        themselves); how many. The leases of running handlers stay: their locks are extended until they return."""
+        with self._lock:
+            handled = [k for k, x in self._leases.items() if x.done]
+            for k in handled:
+                del self._leases[k]
+            return len(handled)
+
     # -- acks -----------------------------------------------------------------------------------
     def flush_acks(self) -> None:
         """Ack the handled deliveries: one statement per queue, never waiting on a row lock.

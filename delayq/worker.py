@@ -508,16 +508,24 @@ class Worker:
 
     # -- heartbeat ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        """Extend the locks held, half a visibility timeout before they would expire."""
-        errors = 0
-        while not self._stopped.is_set():
+        """Extend the locks held, half a visibility timeout before they would expire; once the worker
+        stopped, go on (and ack) for the handlers that outlived ``shutdown_timeout`` until they return."""
+        errors, kept = 0, False
+        while not self._stopped.is_set() or self._leases.running():
             try:
+                if self._stopped.is_set():  # the ack loop has ended: ack what the kept handlers finish
+                    kept = True
+                    self._leases.flush_acks()
                 ok = self._leases.beat()
             except Exception as exc:
                 log.warning("heartbeat: %s", describe(exc), exc_info=True)
                 ok = False
             errors = 0 if ok else errors + 1
-            self._stopped.wait(backoff(errors) if errors else HEARTBEAT_TICK)
+            time.sleep(backoff(errors) if errors else HEARTBEAT_TICK)
+        if kept:
+            self._flush_acks()  # the last kept handler's
+            if self._leases.forget_handled():
+                log.warning("handled message(s) kept past the stop could not be acked; they return after their timeout")
 
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
@@ -556,7 +564,8 @@ class Worker:
 
     def _shutdown(self) -> None:
         """Release what never started; wait for running handlers (acking, heartbeats going on);
-        after ``shutdown_timeout`` release what still runs."""
+        after ``shutdown_timeout`` keep what still runs: its locks and leases stay extended until
+        the handler returns (never given to another consumer while its thread lives)."""
         self._stop_acking()
         self._schedules.stop(timeout=5.0)
         self._leases.release(self._leases.cancel_unstarted(), "never started")
@@ -569,17 +578,17 @@ class Worker:
                 break
             self._slot_freed.wait(min(0.1, left))
             self._slot_freed.clear()
-        running = self._leases.still_running()
-        if running or self._topics.running():
+        running = self._leases.running() + self._topics.running()
+        if running:
             log.warning(
-                "%d handler(s) still running after %.0fs: releasing their messages; their threads are abandoned",
-                len(running) + self._topics.running(),
+                "%d handler(s) still running after %.0fs: their messages stay held (locks extended) until they "
+                "return, or until the process ends",
+                running,
                 self.shutdown_timeout,
             )
-        self._leases.release(running, "still running")
-        self._topics.stop()  # gives back what still runs, then leaves the groups: partitions move at once
+        self._topics.stop()  # leaves the groups (partitions move at once), but keeps the partitions still in use
         self._flush_acks()
-        unacked = self._leases.clear()
+        unacked = self._leases.forget_handled()
         if unacked:
             log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
         if self._pool is not None:
