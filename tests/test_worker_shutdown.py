@@ -9,14 +9,20 @@ handler runs and checks it: nothing lost, nothing run by two holders at once.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import REPO_ROOT, Backend
 from test_topics_worker import holders, keys_for, topic_handler, wait_until
 
 from delayq import (
@@ -186,3 +192,73 @@ def test_a_queue_handler_running_past_the_shutdown_timeout_keeps_its_lock_until_
 def locked_beyond(q: DelayedQueue, key: str, now: dt.datetime) -> bool:
     message = q.get(key)
     return message is not None and message.locked and message.scheduled_at > now
+
+
+# -- `delayq worker` processes: SIGTERM while a handler outlives --shutdown-timeout -------------------------
+def start_worker(
+    backend: Backend, kind: str, name: str, markers: Path, *, seconds: float, exit_delay: float = 0
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DELAYQ_URL": backend.url,
+        "DELAYQ_TEST_KIND": kind,
+        "DELAYQ_TEST_NAME": name,
+        "DELAYQ_TEST_MARKERS": str(markers),
+        "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
+        "DELAYQ_TEST_EXIT_DELAY": str(exit_delay),
+        "PYTHONPATH": str(REPO_ROOT / "tests"),
+    }
+    command = [sys.executable, "-m", "delayq.cli", "worker", "shutdown_app:handlers", "--shutdown-timeout", "1"]
+    return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def marker_times(markers: Path, suffix: str) -> dict[tuple[str, int], float]:
+    """(message, pid) → when the marker was written."""
+    found = {}
+    for p in markers.glob(f"*.{suffix}"):
+        message, pid, _ = p.name.rsplit(".", 2)
+        found[message, int(pid)] = float(p.read_text())
+    return found
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize("kind", ["queue", "topic"])
+def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_runs(
+    backend: Backend, kind: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    name = f"s-{uuid.uuid4().hex[:12]}"
+    if kind == "queue":
+        DelayedQueue(backend.engine, name).offer("job", 1)
+    else:
+        Topic(backend.engine, name).create(1)
+        Topic(backend.engine, name).publish("k", "job", 1)
+    # The first worker's handler outlives its shutdown timeout (1 s) and its process lives 2 s more.
+    first = start_worker(backend, kind, name, tmp_path, seconds=30, exit_delay=2)
+    processes.append(first)
+    wait_until(lambda: bool(marker_times(tmp_path, "started")), "the first worker's handler to start")
+    second = start_worker(backend, kind, name, tmp_path, seconds=0)
+    processes.append(second)
+    first.send_signal(signal.SIGTERM)
+    output = first.communicate(timeout=30)[0].decode()
+    assert first.returncode == 0, output
+    wait_until(lambda: ("job", second.pid) in marker_times(tmp_path, "done"), "the second worker to handle it")
+    started = marker_times(tmp_path, "started")
+    assert sorted(pid for _, pid in started) == sorted([first.pid, second.pid])  # once each: nothing else ran
+    assert ("job", first.pid) not in marker_times(tmp_path, "done")  # (the first never finished)
+    # Not while the first process lived: its last act was after the stop, with the handler running.
+    first_exit = marker_times(tmp_path, "exit")["process", first.pid]
+    assert started["job", second.pid] > first_exit, output
+    if kind == "queue":
+        wait_until(lambda: DelayedQueue(backend.engine, name).get("job") is None, "the second worker's ack")
+    else:
+        wait_until(lambda: not group_lag(backend.engine, name, "g")[0].lag, "the second worker's ack")
+        assert Topic(backend.engine, name).dead_letters() == []
