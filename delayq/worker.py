@@ -97,8 +97,10 @@ class Worker:
             it has free slots, shared fairly between queues and topics with due work. Defaults to 4.
         poll_interval: the longest an idle worker sleeps between polls when nothing wakes it
             (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second.
-        shutdown_timeout: how long in-flight handlers may run on after a stop; what still runs
-            then is released (due again at once) and the worker returns. 30 seconds.
+        shutdown_timeout: how long in-flight handlers may run on after a stop; then the worker
+            returns, but what still runs is never released while its thread lives: its locks (and
+            its topic partitions' leases) stay extended until the handler returns and its outcome is
+            recorded. 30 seconds.
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
@@ -221,7 +223,10 @@ class Worker:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Stop fetching, let in-flight handlers finish, release the rest; True once fully stopped."""
+        """Stop fetching, give back what never started, let in-flight handlers finish; True once stopped.
+
+        Handlers still running after ``shutdown_timeout`` keep their messages, extended in the
+        background until they return (``health().held`` counts them)."""
         self._stopping.set()
         self._wake.set()
         return self._stopped.wait(timeout if timeout is not None else self.shutdown_timeout + 5)
