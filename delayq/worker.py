@@ -34,7 +34,7 @@ from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.humanize import human
-from delayq.leases import Lease, Leases, describe
+from delayq.leases import Lease, Leases, describe, overdue
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
@@ -72,6 +72,8 @@ class WorkerHealth:
     """Monotonic seconds since a claim last reached the database (whatever it found); None before the first."""
     held: int
     """Deliveries held: handlers running, and handled messages awaiting their ack (or topic outcome)."""
+    stuck: int = 0
+    """Handlers running past their ``Handler.timeout``: their slots (and messages) stay taken while they run."""
 
     @property
     def healthy(self) -> bool:
@@ -145,6 +147,9 @@ class Worker:
         self.name = f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
         """This worker's name (``host:pid:random``, unique per worker): its topic handlers' subscriber name."""
         for h in self.handlers:
+            timeout = h.timeout
+            if timeout is not None and (not isinstance(timeout, dt.timedelta) or timeout <= dt.timedelta(0)):
+                raise InvalidInputError(f"{type(h).__name__}.timeout must be a positive timedelta or None")
             if inspect.iscoroutinefunction(h.handle) and not self.runs_coroutines:
                 raise InvalidInputError(
                     f"{type(h).__name__}.handle is a coroutine (async def): run it with delayq.aio.AsyncWorker"
@@ -240,6 +245,7 @@ class Worker:
             loops=MappingProxyType({name: running and t.is_alive() for name, t in self._loops.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
             held=len(self._leases) + self._topics.running(),
+            stuck=self._leases.stuck() + self._topics.stuck(),
         )
 
     @property
@@ -522,6 +528,7 @@ class Worker:
                     kept = True
                     self._leases.flush_acks()
                 ok = self._leases.beat()
+                self._report_overdue()
             except Exception as exc:
                 log.warning("heartbeat: %s", describe(exc), exc_info=True)
                 ok = False
@@ -531,6 +538,14 @@ class Worker:
             self._flush_acks()  # the last kept handler's
             if self._leases.forget_handled():
                 log.warning("handled message(s) kept past the stop could not be acked; they return after their timeout")
+
+    def _report_overdue(self) -> None:
+        """Warn of (and count) each handler found running past its ``timeout``, once."""
+        for lease in self._leases.newly_overdue():
+            timeout = lease.handler.timeout
+            assert timeout is not None
+            overdue(lease.delivery.label, time.monotonic() - lease.started_at, timeout)
+            observe.count("overdue", lease.queue.name)
 
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:

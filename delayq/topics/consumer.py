@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from delayq import observe
 from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
 from delayq.humanize import human
-from delayq.leases import describe
+from delayq.leases import describe, overdue, ran_past
 from delayq.threads import DaemonPool, Task
 from delayq.topics.delivery import LeaseLostError, TopicDelivery
 from delayq.topics.handler import TopicHandler
@@ -59,6 +60,12 @@ class Held:
     """The handler returned: its outcome is being recorded (the maintenance loop leaves it alone)."""
     lost: bool = False
     """An extension found the lease or the delivery gone."""
+    started_at: float = 0.0
+    """Monotonic time of the poll (its handler starts at once: the worker polls for free slots only)."""
+    started_on_clock: dt.datetime | None = None
+    """The injected clock's time at the poll, if there is one."""
+    overdue: bool = False
+    """Its handler was found running past ``timeout`` (reported once)."""
 
     @property
     def label(self) -> str:
@@ -100,6 +107,28 @@ class TopicConsumer:
         with self._lock:
             return len(self._held)
 
+    def stuck(self) -> int:
+        """Handlers running past the handler's ``timeout``."""
+        with self._lock:
+            return sum(1 for x in self._held.values() if x.overdue and not x.finishing)
+
+    def _report_overdue(self, now: float) -> None:
+        """Warn of (and count) each handler found running past its ``timeout``, once."""
+        timeout = self.handler.timeout
+        if timeout is None:
+            return
+        with self._lock:
+            found = [
+                x
+                for x in self._held.values()
+                if not (x.overdue or x.finishing) and ran_past(timeout, x.started_at, x.started_on_clock, self.clock)
+            ]
+            for x in found:
+                x.overdue = True
+        for x in found:
+            overdue(x.label, now - x.started_at, timeout)
+            observe.count("overdue", self.sub.topic)
+
     def ready(self, now: float) -> bool:
         """Whether a poll may run now (not backing off after a failed one)."""
         return now >= self._poll_at
@@ -128,7 +157,8 @@ class TopicConsumer:
             vt = self.handler.visibility_timeout.total_seconds()
             tasks = []
             for d in deliveries:
-                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until)
+                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until, started_at=before)
+                held.started_on_clock = None if self.clock is None else self.clock.now()
                 with self._lock:
                     self._held[id(held)] = held
                 held.task = pool.submit(functools.partial(self._execute, held, done))
@@ -230,6 +260,7 @@ class TopicConsumer:
             if self._rebalance_due(now):
                 self.rebalance(wake)
             self._extend_due(now)
+            self._report_overdue(now)
             if now >= self._watermarks_at:
                 self.sub.advance_watermarks()
                 self._watermarks_at = now + WATERMARK_INTERVAL
@@ -317,6 +348,7 @@ class TopicConsumer:
             if at_once or self._rebalance_due(now):
                 self._hold_busy()
             self._extend_due(now)
+            self._report_overdue(now)
             self._errors = 0
         except Exception as exc:
             self._errors += 1
@@ -395,6 +427,9 @@ class TopicConsumers:
 
     def running(self) -> int:
         return sum(c.running() for c in self.consumers)
+
+    def stuck(self) -> int:
+        return sum(c.stuck() for c in self.consumers)
 
     @property
     def handled(self) -> int:
