@@ -7,6 +7,8 @@ The manual clock stands for the handler's run time: a test moves it past the tim
 from __future__ import annotations
 
 import datetime as dt
+import io
+import json
 import logging
 import threading
 import uuid
@@ -14,9 +16,15 @@ from collections import Counter
 
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner
+from conftest import Backend
+from rich.console import Console
 from test_topics_worker import topic_handler, wait_until
 
 from delayq import DelayedQueue, Delivery, Handler, InvalidInputError, ManualClock, Subscription, Topic, Worker, observe
+from delayq.browse import list_messages
+from delayq.cli import main
+from delayq.top import Top, render
 from delayq.topics import group_lag
 
 SECOND = dt.timedelta(seconds=1)
@@ -135,3 +143,37 @@ def test_a_bad_timeout_is_refused_when_the_worker_is_made(timeout: object) -> No
     Bad.timeout = timeout  # type: ignore[assignment]
     with pytest.raises(InvalidInputError, match=r"Bad.timeout must be a positive timedelta or None"):
         Worker(sa.create_engine("sqlite://"), [Bad])
+
+
+# -- how long each in-flight message has run: `delayq ls`, `delayq show`, `delayq top` -------------------
+def test_ls_and_top_show_how_long_each_in_flight_message_has_run(backend: Backend, queue_name: str) -> None:
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    q = DelayedQueue(backend.engine, queue_name, clock=clock, visibility_timeout=dt.timedelta(hours=1))
+    q.offer_many([("early", 1, None), ("late", 2, None), ("waiting", 3, None)])
+    assert q.try_poll() is not None  # "early", claimed at 00:00
+    clock.advance(dt.timedelta(minutes=2))
+    assert q.try_poll() is not None  # "late", claimed at 00:02
+    clock.advance(dt.timedelta(minutes=3))
+    with backend.engine.connect() as conn:
+        found = {m.key: m for m in list_messages(conn, q.tables, queue_name, state=None, now=clock.now())}
+    assert {k: m.running_for(clock.now()) for k, m in found.items()} == {
+        "early": dt.timedelta(minutes=5),
+        "late": dt.timedelta(minutes=3),
+        "waiting": None,
+    }
+    assert found["early"].as_dict()["claimed_at"] == "2030-01-01T00:00:00+00:00"
+    # The commands read the database's clock: a claim on it has run for about no time at all.
+    real = DelayedQueue(backend.engine, f"{queue_name}-real")
+    real.offer("now", 1)
+    assert real.try_poll() is not None
+    listed = CliRunner().invoke(main, ["--url", backend.url, "ls", real.name, "--json"], catch_exceptions=False)
+    assert listed.exit_code == 0, listed.output
+    (row,) = json.loads(listed.output)
+    assert row["state"] == "in-flight" and row["claimed_at"] is not None
+    table = CliRunner().invoke(main, ["--url", backend.url, "ls", real.name], catch_exceptions=False).output
+    assert "RUNNING" in table.splitlines()[0], table
+    (snap_row,) = Top(backend.engine, only=[real.name]).snapshot().queues
+    assert snap_row.longest_run is not None and snap_row.longest_run < dt.timedelta(minutes=1)
+    out = Console(file=io.StringIO(), width=200, record=True)
+    out.print(render(Top(backend.engine, only=[real.name]).snapshot()))
+    assert "longest run" in out.export_text()
