@@ -418,6 +418,7 @@ class TopicConsumers:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._keeper: threading.Thread | None = None
+        self._unkeep = threading.Event()  # set: the keeper ends (the worker runs again), leaving nobody
 
     def __bool__(self) -> bool:
         return bool(self.consumers)
@@ -436,8 +437,13 @@ class TopicConsumers:
         return sum(c.handled for c in self.consumers)
 
     def loop(self, wake: Callable[[], None]) -> threading.Thread:
-        """The maintenance thread (not started): rebalances, extensions, watermarks, until ``stop``."""
+        """The maintenance thread (not started): rebalances, extensions, watermarks, until ``stop``. It takes
+        over from a keeper still holding deliveries of a previous run."""
         self._stop.clear()
+        self._unkeep.set()
+        if self._keeper is not None:
+            self._keeper.join(30)
+            self._keeper = None
 
         def run() -> None:
             while not self._stop.is_set():
@@ -470,10 +476,10 @@ class TopicConsumers:
             self._thread = None
         kept = [c for c in self.consumers if not c.keep(at_once=True)]
         if kept:
+            self._unkeep.clear()
             self._keeper = threading.Thread(target=self._keep, args=(kept,), name="delayq-topics-keeper", daemon=True)
             self._keeper.start()
 
     def _keep(self, kept: list[TopicConsumer]) -> None:
-        while kept:
-            time.sleep(TICK)
+        while kept and not self._unkeep.wait(TICK):
             kept = [c for c in kept if not c.keep()]
