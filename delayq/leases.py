@@ -119,10 +119,6 @@ class Leases:
         with self._lock:
             return sum(1 for x in self._leases.values() if x.overdue and not x.done)
 
-    def still_running(self) -> list[Lease]:
-        with self._lock:
-            return [x for x in self._leases.values() if not x.done]
-
     def clear(self) -> int:
         """Forget every lease (their locks run out by themselves); how many there were."""
         with self._lock:
