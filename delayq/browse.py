@@ -18,6 +18,7 @@ from delayq.clock import from_ms, to_ms
 from delayq.dialects import dialect_for
 from delayq.dialects.base import prefix_bounds
 from delayq.history import AttemptRecord, parse
+from delayq.queue import claimed_at
 from delayq.schema import Tables
 
 
@@ -48,6 +49,14 @@ class StoredMessage:
     failed_at: dt.datetime | None = None
     """When a dead letter was moved to the dead letters (None for live messages)."""
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
+    claimed_at: dt.datetime | None = None
+    """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+
+    def running_for(self, now: dt.datetime) -> dt.timedelta | None:
+        """How long an in-flight message's handler has run (since its claim); None for any other state."""
+        if self.state is not State.IN_FLIGHT or self.claimed_at is None:
+            return None
+        return max(now - self.claimed_at, dt.timedelta(0))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +70,7 @@ class StoredMessage:
             "last_error": self.last_error,
             "failed_at": None if self.failed_at is None else self.failed_at.isoformat(),
             "attempt_history": [r.to_json() for r in self.attempt_history],
+            "claimed_at": None if self.claimed_at is None else self.claimed_at.isoformat(),
         }
 
 
@@ -163,6 +173,7 @@ def list_messages(
             last_error=r.last_error,
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
+            claimed_at=claimed_at(r.lock_token),
         )
         for r in conn.execute(stmt, params)
     ]

@@ -523,7 +523,8 @@ def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None
         return
     dead_only = state == State.DEAD.value
     rows = [_row(m, now) for m in found]
-    emit(rows, False, ["key", "state", "failed" if dead_only else "due", "attempts", "last_error", "payload"])
+    when = ["failed"] if dead_only else ["due", "running"]
+    emit(rows, False, ["key", "state", *when, "attempts", "last_error", "payload"])
 
 
 def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
@@ -532,6 +533,7 @@ def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
         "state": m.state.value,
         "due": relative(m.scheduled_at, now),
         "failed": relative(m.failed_at, now),
+        "running": "" if (ran := m.running_for(now)) is None else human(ran),
         "attempts": m.attempts,
         "last_error": m.last_error,
         "payload": m.payload,

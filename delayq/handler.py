@@ -51,6 +51,11 @@ class Handler:
       of a handler still running. 5 minutes.
     - ``transactional``: when True, ``handle(delivery, conn)`` runs inside the transaction
       that also deletes the message, so its database writes happen exactly once. False.
+    - ``timeout``: how long a handler should take. A thread handler cannot be stopped, so one that
+      runs past it is reported, not killed: a WARNING on ``delayq.worker``, the ``overdue`` event
+      (the ``delayq_overdue`` metric) and ``WorkerHealth.stuck``; its message stays held (its lock
+      extended) while its thread lives. Bound the handler's own waits (driver, HTTP timeouts).
+      None: never reported.
     - ``schedules``: recurring messages into this queue (``Schedule.cron(...)``,
       ``Schedule.daily(...)``, ``Schedule.periodic(...)``), kept installed by every worker that runs
       this handler; see docs/cron.md. None.
@@ -67,6 +72,7 @@ class Handler:
     retry: ClassVar[RetryPolicy] = RetryPolicy()
     visibility_timeout: ClassVar[dt.timedelta] = dt.timedelta(minutes=5)
     transactional: ClassVar[bool] = False
+    timeout: ClassVar[dt.timedelta | None] = None
     schedules: ClassVar[Sequence[Schedule]] = ()
 
     def handle(self, delivery: Delivery, conn: Connection | None = None) -> None:

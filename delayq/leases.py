@@ -10,6 +10,7 @@ clock the lock's expiry in that clock's time counts too.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from delayq.clock import Clock
 from delayq.handler import Handler
+from delayq.humanize import human
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.threads import Task
@@ -43,6 +45,12 @@ class Lease:
     """An ack of it is under way (the heartbeat leaves it alone meanwhile)."""
     lost: bool = False
     """The heartbeat found the lock gone."""
+    started_at: float = 0.0
+    """Monotonic time of the claim (its handler starts at once: the worker claims for free slots only)."""
+    started_on_clock: dt.datetime | None = None
+    """The injected clock's time at the claim, if there is one."""
+    overdue: bool = False
+    """Its handler was found running past ``Handler.timeout`` (reported once)."""
 
 
 class Leases:
@@ -64,6 +72,8 @@ class Leases:
         """A lease on a delivery claimed by a statement sent at monotonic time ``claimed_at``."""
         vt = handler.visibility_timeout.total_seconds()
         lease = Lease(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
+        lease.started_at = claimed_at
+        lease.started_on_clock = None if self.clock is None else self.clock.now()
         with self._lock:
             self._leases[id(lease)] = lease
             self._running += 1
@@ -91,6 +101,24 @@ class Leases:
             leases = list(self._leases.values())
         return [x for x in leases if not x.done and x.task is not None and x.task.cancel()]
 
+    def newly_overdue(self) -> list[Lease]:
+        """The leases whose handlers now run past their ``timeout``, each returned once."""
+        with self._lock:
+            found = [
+                x
+                for x in self._leases.values()
+                if not (x.done or x.overdue)
+                and ran_past(x.handler.timeout, x.started_at, x.started_on_clock, self.clock)
+            ]
+            for x in found:
+                x.overdue = True
+        return found
+
+    def stuck(self) -> int:
+        """How many handlers run past their ``timeout``."""
+        with self._lock:
+            return sum(1 for x in self._leases.values() if x.overdue and not x.done)
+
     def still_running(self) -> list[Lease]:
         with self._lock:
             return [x for x in self._leases.values() if not x.done]
@@ -102,6 +130,15 @@ class Leases:
             self._leases.clear()
             self._running = 0
             return left
+
+    def forget_handled(self) -> int:
+        """Forget the leases whose handlers returned but whose acks did not go out (their locks run out by
+        themselves); how many. The leases of running handlers stay: their locks are extended until they return."""
+        with self._lock:
+            handled = [k for k, x in self._leases.items() if x.done]
+            for k in handled:
+                del self._leases[k]
+            return len(handled)
 
     # -- acks -----------------------------------------------------------------------------------
     def flush_acks(self) -> None:
@@ -240,6 +277,29 @@ def by_queue(leases: Iterable[Lease]) -> list[tuple[DelayedQueue, list[Lease]]]:
     for x in leases:
         groups.setdefault(x.queue.name, (x.queue, []))[1].append(x)
     return list(groups.values())
+
+
+def ran_past(
+    timeout: dt.timedelta | None, started_at: float, started_on_clock: dt.datetime | None, clock: Clock | None
+) -> bool:
+    """Whether a handler started at monotonic ``started_at`` has run past ``timeout`` (None: never); on an
+    injected clock, its run time counts in that clock's time too (tests move it by hand)."""
+    if timeout is None:
+        return False
+    if time.monotonic() - started_at > timeout.total_seconds():
+        return True
+    return clock is not None and started_on_clock is not None and clock.now() - started_on_clock > timeout
+
+
+def overdue(label: str, seconds: float, timeout: dt.timedelta) -> None:
+    """Log a handler found running past its timeout (queues' and topics' alike)."""
+    log.warning(
+        "%s: its handler has run %s, past its timeout of %s; a thread cannot be stopped: "
+        "its message stays held while the handler runs, and its slot is taken",
+        label,
+        human(dt.timedelta(seconds=seconds)),
+        human(timeout),
+    )
 
 
 def describe(exc: BaseException) -> str:

@@ -62,6 +62,7 @@ COUNTERS = {
     "retried": "Failed attempts released for a later one.",
     "dead_lettered": "Messages moved to the dead letters.",
     "lock_lost": "Deliveries whose lock was found gone (by a heartbeat, ack, retry or dead letter), once each.",
+    "overdue": "Handlers found running past their Handler.timeout, once each (label: the queue or topic).",
 }
 HISTOGRAMS = {  # name: (help, labels, bucket bounds)
     "handler_duration_seconds": ("Seconds a handler ran.", ("queue", "outcome"), DURATION_BUCKETS),

@@ -1,7 +1,7 @@
 """Observers: what logging, metrics and tracing learn of each delivery and of the queue's events.
 
 The worker wraps every handler call in ``handling(delivery)``; the queue reports its events
-(``offered``, ``acked``, ``retried``, ``dead_lettered``, ``lock_lost``) through ``count``. Each
+(``offered``, ``acked``, ``retried``, ``dead_lettered``, ``lock_lost``; the worker ``overdue``) through ``count``. Each
 installed ``Observer`` hears of them. ``delivery_log`` is installed from the start: it logs on the
 ``delayq.delivery`` logger, every record with structured fields (``delayq_event``, ``delayq_queue``,
 ``delayq_key``, ``delayq_id``, ``delayq_attempt``, ``delayq_duration``; a failure's also ``delayq_error_type``
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeliveryLog", "Event", "Observer", "add", "count", "delivery_log", "handling", "offering", "remove"]
 
-Event = Literal["offered", "acked", "retried", "dead_lettered", "lock_lost"]
+Event = Literal["offered", "acked", "retried", "dead_lettered", "lock_lost", "overdue"]
 """A queue event that observers count."""
 
 

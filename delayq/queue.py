@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -245,8 +247,9 @@ class DelayedQueue:
         def op(conn: Connection, dialect: Dialect) -> list[ClaimedRow]:
             # A fresh token on every attempt: when an attempt's commit succeeded unseen (its reply
             # lost), the rows it locked carry a token nobody holds and return after the timeout.
-            token = self._claiming = new_token()
-            params = {"queue_name": self.name, "limit": limit, "token": token, **self._now_param()}
+            now = self._now_param()
+            token = self._claiming = new_token(now.get("now"))
+            params = {"queue_name": self.name, "limit": limit, "token": token, **now}
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
         self._claiming = None
@@ -855,6 +858,20 @@ def check_text(value: object, what: str, limit: int, error: type[InvalidInputErr
     return value
 
 
-def new_token() -> str:
-    """A fresh lock token: one per claim attempt."""
-    return str(uuid.uuid4())
+def new_token(claimed_ms: int | None = None) -> str:
+    """A fresh lock token: one per claim attempt, unique, in the UUID version 7 layout: its first 48 bits
+    are the claim's time in epoch ms (the injected clock's, else this process's; for display only, see
+    ``claimed_at``), the other 74 are random."""
+    ms = time.time_ns() // 1_000_000 if claimed_ms is None else claimed_ms
+    bits = (ms & (1 << 48) - 1) << 80 | 0x7 << 76 | secrets.randbits(12) << 64 | 0b10 << 62 | secrets.randbits(62)
+    return str(uuid.UUID(int=bits))
+
+
+def claimed_at(token: str | None) -> dt.datetime | None:
+    """When the claim that set ``token`` ran (see ``new_token``); None for another kind of token."""
+    if token is None or len(token) != 36 or token[14] != "7":
+        return None
+    try:
+        return from_ms(int(token[:8] + token[9:13], 16))
+    except ValueError:
+        return None

@@ -21,10 +21,11 @@ from rich.table import Table
 from rich.text import Text
 
 from delayq.browse import database_now, queue_names
+from delayq.clock import to_ms
 from delayq.history import parse
 from delayq.humanize import human
 from delayq.messages import QueueStats
-from delayq.queue import DelayedQueue
+from delayq.queue import DelayedQueue, claimed_at
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
 
@@ -42,6 +43,8 @@ class QueueRow:
     stats: QueueStats
     arrived_per_s: float | None
     left_per_s: float | None
+    longest_run: dt.timedelta | None = None
+    """How long the longest-running in-flight message has been held (since its claim); None when none is."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,14 @@ class Top:
         with self.engine.connect() as conn:
             now = database_now(conn)
             names = self.only or queue_names(conn, self.tables)
+            longest = self._longest_runs(conn, names, now)
             for name in names:
                 queue = DelayedQueue(
                     self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer()
                 )
                 stats = queue.stats(using=conn)
                 arrived, left = self._flow(conn, name)
-                rows.append(QueueRow(name, stats, arrived, left))
+                rows.append(QueueRow(name, stats, arrived, left, longest.get(name)))
             failures = self._failures(conn, names)
             conn.rollback()
         return Snapshot(now, rows, failures)
@@ -114,6 +118,28 @@ class Top:
         arrived = int(r.n) - int(r.old)
         left = mark[1] - int(r.old)
         return arrived / elapsed, max(left, 0) / elapsed
+
+    def _longest_runs(self, conn: sa.Connection, names: list[str], now: dt.datetime) -> dict[str, dt.timedelta]:
+        """Per queue, how long its oldest in-flight claim has run. Lock tokens start with their claim's time
+        (``delayq.queue.new_token``) in fixed-width hex, so the smallest such token is the oldest claim."""
+        m = self.tables.messages
+        if not names:
+            return {}
+        rows = conn.execute(
+            sa.select(m.c.queue, sa.func.min(m.c.lock_token).label("token"))
+            .where(
+                m.c.queue.in_(names),
+                m.c.lock_token.like("________-____-7%"),  # (tokens of an older delayq tell no time)
+                m.c.scheduled_at > to_ms(now),
+            )
+            .group_by(m.c.queue)
+        ).all()
+        found = {}
+        for r in rows:
+            since = claimed_at(r.token)
+            if since is not None:
+                found[r.queue] = max(now - since, dt.timedelta(0))
+        return found
 
     def _failures(self, conn: sa.Connection, names: list[str]) -> list[Failure]:
         m, dead = self.tables.messages, self.tables.dead_letters
@@ -156,6 +182,7 @@ def render(snap: Snapshot) -> RenderableType:
         ("ready", "right"),
         ("scheduled", "right"),
         ("in flight", "right"),
+        ("longest run", "right"),
         ("expired locks", "right"),
         ("dead", "right"),
         ("oldest due", "right"),
@@ -172,6 +199,7 @@ def render(snap: Snapshot) -> RenderableType:
             Text(str(s.ready), style="green" if s.ready else ""),
             str(s.scheduled),
             Text(str(s.in_flight), style="yellow" if s.in_flight else ""),
+            "-" if q.longest_run is None else human(q.longest_run),
             Text(str(s.expired_locks), style="magenta" if s.expired_locks else ""),
             Text(str(s.dead), style="red" if s.dead else ""),
             "-" if s.oldest_due_age is None else human(s.oldest_due_age),
@@ -179,7 +207,7 @@ def render(snap: Snapshot) -> RenderableType:
             _rate(q.left_per_s),
         )
     if not snap.queues:
-        table.add_row("(no queues yet)", *[""] * 8)
+        table.add_row("(no queues yet)", *[""] * 9)
     parts: list[RenderableType] = [table]
     if snap.failures:
         lines: list[RenderableType] = []

@@ -34,7 +34,7 @@ from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.humanize import human
-from delayq.leases import Lease, Leases, describe
+from delayq.leases import Lease, Leases, describe, overdue
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
@@ -73,6 +73,8 @@ class WorkerHealth:
     """Monotonic seconds since a claim last reached the database (whatever it found); None before the first."""
     held: int
     """Deliveries held: handlers running, and handled messages awaiting their ack (or topic outcome)."""
+    stuck: int = 0
+    """Handlers running past their ``Handler.timeout``: their slots (and messages) stay taken while they run."""
 
     @property
     def healthy(self) -> bool:
@@ -98,8 +100,10 @@ class Worker:
             it has free slots, shared fairly between queues and topics with due work. Defaults to 4.
         poll_interval: the longest an idle worker sleeps between polls when nothing wakes it
             (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second.
-        shutdown_timeout: how long in-flight handlers may run on after a stop; what still runs
-            then is released (due again at once) and the worker returns. 30 seconds.
+        shutdown_timeout: how long in-flight handlers may run on after a stop; then the worker
+            returns, but what still runs is never released while its thread lives: its locks (and
+            its topic partitions' leases) stay extended until the handler returns and its outcome is
+            recorded. 30 seconds.
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
@@ -145,6 +149,9 @@ class Worker:
         self.name = f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
         """This worker's name (``host:pid:random``, unique per worker): its topic handlers' subscriber name."""
         for h in self.handlers:
+            timeout = h.timeout
+            if timeout is not None and (not isinstance(timeout, dt.timedelta) or timeout <= dt.timedelta(0)):
+                raise InvalidInputError(f"{type(h).__name__}.timeout must be a positive timedelta or None")
             if inspect.iscoroutinefunction(h.handle) and not self.runs_coroutines:
                 raise InvalidInputError(
                     f"{type(h).__name__}.handle is a coroutine (async def): run it with delayq.aio.AsyncWorker"
@@ -223,7 +230,10 @@ class Worker:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Stop fetching, let in-flight handlers finish, release the rest; True once fully stopped."""
+        """Stop fetching, give back what never started, let in-flight handlers finish; True once stopped.
+
+        Handlers still running after ``shutdown_timeout`` keep their messages, extended in the
+        background until they return (``health().held`` counts them)."""
         self._stopping.set()
         self._wake.set()
         return self._stopped.wait(timeout if timeout is not None else self.shutdown_timeout + 5)
@@ -237,6 +247,7 @@ class Worker:
             loops=MappingProxyType({name: running and t.is_alive() for name, t in self._loops.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
             held=len(self._leases) + self._topics.running(),
+            stuck=self._leases.stuck() + self._topics.stuck(),
         )
 
     @property
@@ -510,16 +521,33 @@ class Worker:
 
     # -- heartbeat ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        """Extend the locks held, half a visibility timeout before they would expire."""
-        errors = 0
-        while not self._stopped.is_set():
+        """Extend the locks held, half a visibility timeout before they would expire; once the worker
+        stopped, go on (and ack) for the handlers that outlived ``shutdown_timeout`` until they return."""
+        errors, kept = 0, False
+        while not self._stopped.is_set() or self._leases.running():
             try:
+                if self._stopped.is_set():  # the ack loop has ended: ack what the kept handlers finish
+                    kept = True
+                    self._leases.flush_acks()
                 ok = self._leases.beat()
+                self._report_overdue()
             except Exception as exc:
                 log.warning("heartbeat: %s", describe(exc), exc_info=True)
                 ok = False
             errors = 0 if ok else errors + 1
-            self._stopped.wait(backoff(errors) if errors else HEARTBEAT_TICK)
+            time.sleep(backoff(errors) if errors else HEARTBEAT_TICK)
+        if kept:
+            self._flush_acks()  # the last kept handler's
+            if self._leases.forget_handled():
+                log.warning("handled message(s) kept past the stop could not be acked; they return after their timeout")
+
+    def _report_overdue(self) -> None:
+        """Warn of (and count) each handler found running past its ``timeout``, once."""
+        for lease in self._leases.newly_overdue():
+            timeout = lease.handler.timeout
+            assert timeout is not None
+            overdue(lease.delivery.label, time.monotonic() - lease.started_at, timeout)
+            observe.count("overdue", lease.queue.name)
 
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
@@ -558,7 +586,8 @@ class Worker:
 
     def _shutdown(self) -> None:
         """Release what never started; wait for running handlers (acking, heartbeats going on);
-        after ``shutdown_timeout`` release what still runs."""
+        after ``shutdown_timeout`` keep what still runs: its locks and leases stay extended until
+        the handler returns (never given to another consumer while its thread lives)."""
         self._stop_acking()
         self._schedules.stop(timeout=5.0)
         self._leases.release(self._leases.cancel_unstarted(), "never started")
@@ -571,17 +600,17 @@ class Worker:
                 break
             self._slot_freed.wait(min(0.1, left))
             self._slot_freed.clear()
-        running = self._leases.still_running()
-        if running or self._topics.running():
+        running = self._leases.running() + self._topics.running()
+        if running:
             log.warning(
-                "%d handler(s) still running after %.0fs: releasing their messages; their threads are abandoned",
-                len(running) + self._topics.running(),
+                "%d handler(s) still running after %.0fs: their messages stay held (locks extended) until they "
+                "return, or until the process ends",
+                running,
                 self.shutdown_timeout,
             )
-        self._leases.release(running, "still running")
-        self._topics.stop()  # gives back what still runs, then leaves the groups: partitions move at once
+        self._topics.stop()  # leaves the groups (partitions move at once), but keeps the partitions still in use
         self._flush_acks()
-        unacked = self._leases.clear()
+        unacked = self._leases.forget_handled()
         if unacked:
             log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
         if self._pool is not None:

@@ -356,7 +356,7 @@ def test_messages_handled_during_the_shutdown_wait_are_acked_then(
     assert count_rows(engine, queue_name) == 0
 
 
-def test_sigterm_past_the_shutdown_timeout_releases_the_message_and_exits(
+def test_sigterm_past_the_shutdown_timeout_exits_without_releasing_the_running_handlers_message(
     backend: Backend,
     queue_name: str,
     tmp_path: Path,
@@ -379,8 +379,9 @@ def test_sigterm_past_the_shutdown_timeout_releases_the_message_and_exits(
     m = q.tables.messages
     with backend.engine.connect() as conn:
         left = conn.execute(sa.select(m.c.attempts, m.c.lock_token).where(m.c.queue == queue_name)).all()
-    assert left == [(0, None)], output  # released: due again at once, the attempt not counted
-    assert q.stats().ready == 1
+    # Not released while the handler ran: still locked (until its visibility timeout), the attempt counted.
+    assert [(attempts, token is not None) for attempts, token in left] == [(1, True)], output
+    assert q.stats().in_flight == 1
 
 
 # -- 7. fair slots ----------------------------------------------------------------------------------------

@@ -177,9 +177,12 @@ class AsyncSubscription:
         """Tell the group this subscriber is alive."""
         await self._run(using, lambda u: self.sync.heartbeat(using=u))
 
-    async def rebalance(self, *, busy: Collection[int] = (), using: AsyncUsing = None) -> dict[int, int]:
-        """Renew, release and take leases toward a fair share; the partitions held, with epochs."""
-        return await self._run(using, lambda u: self.sync.rebalance(busy=busy, using=u))
+    async def rebalance(
+        self, *, busy: Collection[int] = (), leaving: bool = False, using: AsyncUsing = None
+    ) -> dict[int, int]:
+        """Renew, release and take leases toward a fair share (``leaving``: keep only ``busy``); the
+        partitions held, with epochs."""
+        return await self._run(using, lambda u: self.sync.rebalance(busy=busy, leaving=leaving, using=u))
 
     async def close(self, *, using: AsyncUsing = None) -> None:
         """Release every lease and deregister: the other subscribers take over at once."""
@@ -268,6 +271,10 @@ class AsyncSubscription:
     ) -> bool:
         """Deliver ``delivery`` again after ``delay`` (later ones keep flowing); dead-letter it on the last attempt."""
         return await self._run(using, lambda u: self.sync.nack(delivery, delay, error, using=u))
+
+    async def release(self, delivery: TopicDelivery, *, using: AsyncUsing = None) -> bool:
+        """Give ``delivery`` back unprocessed: deliverable again at once, the attempt not counted."""
+        return await self._run(using, lambda u: self.sync.release(delivery, using=u))
 
     async def fail(self, delivery: TopicDelivery, error: str, *, using: AsyncUsing = None) -> bool:
         """Dead-letter ``delivery`` now."""

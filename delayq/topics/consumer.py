@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from delayq import observe
 from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
 from delayq.humanize import human
-from delayq.leases import describe
+from delayq.leases import describe, overdue, ran_past
 from delayq.threads import DaemonPool, Task
 from delayq.topics.delivery import LeaseLostError, TopicDelivery
 from delayq.topics.handler import TopicHandler
@@ -59,6 +60,12 @@ class Held:
     """The handler returned: its outcome is being recorded (the maintenance loop leaves it alone)."""
     lost: bool = False
     """An extension found the lease or the delivery gone."""
+    started_at: float = 0.0
+    """Monotonic time of the poll (its handler starts at once: the worker polls for free slots only)."""
+    started_on_clock: dt.datetime | None = None
+    """The injected clock's time at the poll, if there is one."""
+    overdue: bool = False
+    """Its handler was found running past ``timeout`` (reported once)."""
 
     @property
     def label(self) -> str:
@@ -100,6 +107,28 @@ class TopicConsumer:
         with self._lock:
             return len(self._held)
 
+    def stuck(self) -> int:
+        """Handlers running past the handler's ``timeout``."""
+        with self._lock:
+            return sum(1 for x in self._held.values() if x.overdue and not x.finishing)
+
+    def _report_overdue(self, now: float) -> None:
+        """Warn of (and count) each handler found running past its ``timeout``, once."""
+        timeout = self.handler.timeout
+        if timeout is None:
+            return
+        with self._lock:
+            found = [
+                x
+                for x in self._held.values()
+                if not (x.overdue or x.finishing) and ran_past(timeout, x.started_at, x.started_on_clock, self.clock)
+            ]
+            for x in found:
+                x.overdue = True
+        for x in found:
+            overdue(x.label, now - x.started_at, timeout)
+            observe.count("overdue", self.sub.topic)
+
     def ready(self, now: float) -> bool:
         """Whether a poll may run now (not backing off after a failed one)."""
         return now >= self._poll_at
@@ -128,7 +157,8 @@ class TopicConsumer:
             vt = self.handler.visibility_timeout.total_seconds()
             tasks = []
             for d in deliveries:
-                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until)
+                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until, started_at=before)
+                held.started_on_clock = None if self.clock is None else self.clock.now()
                 with self._lock:
                     self._held[id(held)] = held
                 held.task = pool.submit(functools.partial(self._execute, held, done))
@@ -141,10 +171,17 @@ class TopicConsumer:
     def _execute(self, held: Held, done: Callable[[], None]) -> None:
         d, handler = held.delivery, self.handler
         log.debug("%s: handling", held.label)
+        begun = not handler.transactional
+
+        def in_transaction(conn: Connection) -> None:
+            nonlocal begun
+            begun = True  # from here on it is an attempt
+            handler.handle(d, conn)
+
         try:
             try:
                 if handler.transactional:
-                    self.sub.handle_exactly_once(d, functools.partial(handler.handle, d))
+                    self.sub.handle_exactly_once(d, in_transaction)
                 else:
                     handler.handle(d)
             except LeaseLostError:
@@ -153,7 +190,11 @@ class TopicConsumer:
                 return
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
                 held.finishing = True
-                self._record_failure(held, exc)
+                if begun:
+                    self._record_failure(held, exc)
+                else:  # no connection for its transaction: the handler did not run, give it back
+                    log.warning("%s: its transaction could not begin (%s)", held.label, describe(exc))
+                    self._release([held], "the handler's transaction could not begin")
                 return
             held.finishing = True
             if not handler.transactional:
@@ -219,6 +260,7 @@ class TopicConsumer:
             if self._rebalance_due(now):
                 self.rebalance(wake)
             self._extend_due(now)
+            self._report_overdue(now)
             if now >= self._watermarks_at:
                 self.sub.advance_watermarks()
                 self._watermarks_at = now + WATERMARK_INTERVAL
@@ -273,24 +315,54 @@ class TopicConsumer:
                 log.warning("%s: lease or delivery lost while handling; another subscriber may get it", x.label)
 
     # -- shutdown -------------------------------------------------------------------------------
-    def give_back(self, unstarted_only: bool) -> None:
-        """Make held messages visible again at once (a nack without delay), for the partition's next
-        holder: those whose handlers never started (kept from starting now), or all still running."""
+    def give_back_unstarted(self) -> None:
+        """Keep the handlers not yet started from starting, and give their messages back: deliverable
+        again at once for the partition's next holder, the attempt not counted."""
         with self._lock:
-            held = list(self._held.values())
-        if unstarted_only:
-            held = [x for x in held if x.task is not None and x.task.cancel()]
-            with self._lock:
-                for x in held:
-                    self._held.pop(id(x), None)
-        last = self.sub.max_attempts
+            held = [x for x in self._held.values() if x.task is not None and x.task.cancel()]
+            for x in held:
+                self._held.pop(id(x), None)
+        self._release(held, "never started")
+
+    def _release(self, held: list[Held], why: str) -> None:
+        released = 0
         for x in held:
-            if x.finishing or (last is not None and x.delivery.attempts >= last):
-                continue  # (a nack of the last attempt would dead-letter it: let its timeout run out)
             try:
-                self.sub.nack(x.delivery, dt.timedelta(0), "the worker stopped before it was handled")
+                released += self.sub.release(x.delivery)
             except Exception as exc:
                 log.warning("%s: could not give it back (%s); it returns after its timeout", x.label, describe(exc))
+        if released:
+            log.info("%s: released %d message(s) (%s)", self.label, released, why)
+
+    def keep(self, at_once: bool = False) -> bool:
+        """One round of a stopped worker's upkeep: while handlers still run, hold only their partitions
+        (leases renewed, the rest released: ``at_once`` on the first round) and extend their deliveries;
+        leave the group once none runs. True once left. Never raises."""
+        if not self.running():
+            self.leave()
+            return True
+        now = time.monotonic()
+        if now < self._maintain_at:
+            return False
+        try:
+            if at_once or self._rebalance_due(now):
+                self._hold_busy()
+            self._extend_due(now)
+            self._report_overdue(now)
+            self._errors = 0
+        except Exception as exc:
+            self._errors += 1
+            self._maintain_at = now + self._backoff(self._errors)
+            log.warning("%s: %s; going on in %.1fs", self.label, describe(exc), self._maintain_at - now)
+        return False
+
+    def _hold_busy(self) -> None:
+        with self._polling:
+            with self._lock:
+                busy = {x.delivery.partition for x in self._held.values()}
+            self.sub.rebalance(busy=busy, leaving=True)
+        self._rebalance_at = time.monotonic() + self._rebalance_every
+        self._rebalanced_on_clock = None if self.clock is None else self.clock.now()
 
     def leave(self) -> None:
         """Advance the watermarks, then leave the group: the others take the partitions at once."""
@@ -345,6 +417,8 @@ class TopicConsumers:
             self.consumers.append(TopicConsumer(h, sub, clock, backoff))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._keeper: threading.Thread | None = None
+        self._unkeep = threading.Event()  # set: the keeper ends (the worker runs again), leaving nobody
 
     def __bool__(self) -> bool:
         return bool(self.consumers)
@@ -355,13 +429,21 @@ class TopicConsumers:
     def running(self) -> int:
         return sum(c.running() for c in self.consumers)
 
+    def stuck(self) -> int:
+        return sum(c.stuck() for c in self.consumers)
+
     @property
     def handled(self) -> int:
         return sum(c.handled for c in self.consumers)
 
     def loop(self, wake: Callable[[], None]) -> threading.Thread:
-        """The maintenance thread (not started): rebalances, extensions, watermarks, until ``stop``."""
+        """The maintenance thread (not started): rebalances, extensions, watermarks, until ``stop``. It takes
+        over from a keeper still holding deliveries of a previous run."""
         self._stop.clear()
+        self._unkeep.set()
+        if self._keeper is not None:
+            self._keeper.join(30)
+            self._keeper = None
 
         def run() -> None:
             while not self._stop.is_set():
@@ -381,14 +463,23 @@ class TopicConsumers:
 
     def give_back_unstarted(self) -> None:
         for c in self.consumers:
-            c.give_back(unstarted_only=True)
+            c.give_back_unstarted()
 
     def stop(self) -> None:
-        """Stop the maintenance loop, give back what still runs, advance the watermarks, leave the groups."""
+        """Stop the maintenance loop; consumers with no handler running advance their watermarks and leave
+        their groups now. Those with handlers still running keep their messages (never given back while
+        the handler's thread lives): a thread of its own holds their partitions' leases and extends their
+        deliveries until the handlers return and record their outcomes, then leaves (``keep``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
             self._thread = None
-        for c in self.consumers:
-            c.give_back(unstarted_only=False)
-            c.leave()
+        kept = [c for c in self.consumers if not c.keep(at_once=True)]
+        if kept:
+            self._unkeep.clear()
+            self._keeper = threading.Thread(target=self._keep, args=(kept,), name="delayq-topics-keeper", daemon=True)
+            self._keeper.start()
+
+    def _keep(self, kept: list[TopicConsumer]) -> None:
+        while kept and not self._unkeep.wait(TICK):
+            kept = [c for c in kept if not c.keep()]

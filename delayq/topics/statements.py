@@ -254,6 +254,8 @@ class TopicStatements:
             .returning(dl.c.message_offset, dl.c.attempts)
         )
         self.nack = sa.update(dl).where(this).values(invisible_until=_bp("until"), last_error=_bp("error", sa.Text))
+        # Given back unprocessed (a stopping worker's unstarted message): visible again, the attempt not counted.
+        self.give_back = sa.update(dl).where(this).values(invisible_until=_bp("until"), attempts=dl.c.attempts - 1)
         self.extend = (
             sa.update(dl).where(this).values(invisible_until=dialect.greatest(dl.c.invisible_until, _bp("until")))
         )

@@ -166,7 +166,7 @@ class Subscription:
 
         self.ctx.runner.run(using, op, "statement")
 
-    def rebalance(self, *, busy: Collection[int] = (), using: Using = None) -> dict[int, int]:
+    def rebalance(self, *, busy: Collection[int] = (), leaving: bool = False, using: Using = None) -> dict[int, int]:
         """Heartbeat, renew the leases held, then hold the fair share: ``ceil(partitions / live subscribers)``.
 
         Partitions beyond the share are released: first those not in ``busy`` (a worker passes the
@@ -174,7 +174,8 @@ class Subscription:
         highest first, so the same ones go every time. Below it, free or expired leases are taken
         (an expired one is stolen: its epoch goes up, fencing its old holder). Returns the
         partitions held, each with its epoch. One transaction, a handful of statements; call it
-        about three times per ``lease_duration``.
+        about three times per ``lease_duration``. With ``leaving``, every partition not in ``busy`` is
+        released and none is taken: a stopping worker keeps only what its running handlers need.
         """
         if self._partitions is None:
             self.join(using=using)
@@ -191,7 +192,13 @@ class Subscription:
             until = now + self._lease_ms
             conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
             mine = {int(r.partition): int(r.epoch) for r in conn.execute(stmts.my_leases, g)}
-            if len(mine) > share:
+            if leaving:
+                idle = [p for p in mine if p not in busy]
+                if idle:
+                    conn.execute(stmts.release, {**g, "parts": idle})
+                    for p in idle:
+                        del mine[p]
+            elif len(mine) > share:
                 excess = sorted(mine, key=lambda p: (p in busy, -p))[: len(mine) - share]
                 conn.execute(stmts.release, {**g, "parts": excess})
                 for p in excess:
@@ -384,6 +391,16 @@ class Subscription:
                 return self._bury(conn, stmts, key, delivery.offset, delivery.attempts, error)
             params = {**self._this(key, delivery), "until": now + delay_ms, "error": error}
             return conn.execute(stmts.nack, params).rowcount == 1
+
+        return bool(self._fenced(delivery, op, using))
+
+    def release(self, delivery: TopicDelivery, *, using: Using = None) -> bool:
+        """Give a delivery back unprocessed: deliverable again at once, the attempt not counted (as
+        ``DelayedQueue.release``). For work polled but never started. False when the lease or the
+        delivery was lost."""
+
+        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
+            return conn.execute(stmts.give_back, {**self._this(key, delivery), "until": now}).rowcount == 1
 
         return bool(self._fenced(delivery, op, using))
 
@@ -583,7 +600,7 @@ class Subscription:
         if redelivered:
             conn.execute(stmts.redeliver, {**key, "offsets": redelivered, "until": until})
         for o, (attempts, error) in doomed.items():
-            if attempts == 0:  # never delivered: give it a state to bury
+            if o in fresh:  # never delivered: give it a state to bury (a released one has a state at 0)
                 conn.execute(
                     stmts.insert_state,
                     [

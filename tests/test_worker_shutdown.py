@@ -1,0 +1,264 @@
+"""A worker's stop: what never started goes back uncounted, what still runs is never handed to anyone else.
+
+In-process tests run workers on threads with the manual clock (locks, leases and visibility
+timeouts expire only when a test moves it); the process tests run ``delayq worker`` and stop it
+with SIGTERM, with a second worker process waiting for the same messages. Each keeps a history of
+handler runs and checks it: nothing lost, nothing run by two holders at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import REPO_ROOT, Backend
+from test_topics_worker import holders, keys_for, topic_handler, wait_until
+
+from delayq import (
+    DelayedQueue,
+    Delivery,
+    Handler,
+    ManualClock,
+    RetryPolicy,
+    Subscription,
+    Topic,
+    TopicDelivery,
+    Worker,
+)
+from delayq.topics import group_lag
+
+SECOND = dt.timedelta(seconds=1)
+QUICK_STOP = {"poll_interval": dt.timedelta(milliseconds=20), "shutdown_timeout": dt.timedelta(milliseconds=200)}
+
+
+@pytest.fixture
+def topic_name() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+class Runs:
+    """Every handler run, as (holder, message, start, end): a history to find overlaps and losses."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: list[list[Any]] = []
+
+    def begin(self, holder: str, message: str) -> list[Any]:
+        run = [holder, message, time.monotonic(), None]
+        with self.lock:
+            self.runs.append(run)
+        return run
+
+    def of(self, message: str) -> list[list[Any]]:
+        with self.lock:
+            return [list(r) for r in self.runs if r[1] == message]
+
+    def check_no_overlap(self) -> None:
+        with self.lock:
+            runs = [list(r) for r in self.runs]
+        for i, (h1, m1, s1, e1) in enumerate(runs):
+            for h2, m2, s2, e2 in runs[i + 1 :]:
+                if m1 == m2:
+                    overlap = (e1 is None or s2 < e1) and (e2 is None or s1 < e2)
+                    assert not overlap, f"{m1} run by {h1} and {h2} at once"
+
+
+# -- topics: a handler running at the stop keeps its message; never-started ones go back uncounted ---------
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_a_topic_handler_running_past_the_shutdown_timeout_keeps_its_message_until_it_returns(
+    engine: sa.Engine, topic_name: str, clock: ManualClock, max_attempts: int
+) -> None:
+    topic = Topic(engine, topic_name, clock=clock)
+    topic.create(2)
+    keys = keys_for(2)
+    runs = Runs()
+    go_on = threading.Event()
+
+    def body(holder: str) -> Callable[[TopicDelivery, object], None]:
+        def handle(d: TopicDelivery, _: object) -> None:
+            run = runs.begin(holder, d.message_id)
+            if d.message_id == "slow":
+                go_on.wait(30)
+            run[3] = time.monotonic()
+
+        return handle
+
+    def worker(holder: str) -> Worker:
+        handler = topic_handler(topic_name, body(holder), retry=RetryPolicy(max_attempts=max_attempts))
+        return Worker(engine, [handler], clock=clock, concurrency=2, **QUICK_STOP)
+
+    a, b = worker("a"), worker("b")
+    a.start()
+    try:
+        wait_until(lambda: holders(engine, topic_name) == {a.name: 2}, "the first worker to hold both partitions")
+        topic.publish(keys[0], "slow", 1)
+        wait_until(lambda: bool(runs.of("slow")), "the slow handler to start")
+        assert a.stop()  # the shutdown timeout passes while the handler runs
+        b.start()
+        topic.publish(keys[1], "other", 2)
+        wait_until(lambda: bool(runs.of("other")), "the second worker to take the idle partition")
+        assert [r[0] for r in runs.of("slow")] == ["a"]  # nobody else got it while its handler ran
+        # The stopped worker kept the partition of its running handler, and gave up the idle one.
+        assert holders(engine, topic_name) == {a.name: 1, b.name: 1}
+        go_on.set()
+        # The handler returns: its ack is recorded, then the stopped worker leaves the group.
+        wait_until(lambda: holders(engine, topic_name) == {b.name: 2}, "the kept partition to move over")
+        topic.publish(keys[0], "later", 3)
+        wait_until(lambda: bool(runs.of("later")), "the partition's later message")
+        wait_until(lambda: b.health().held == 0, "the last outcome")
+    finally:
+        go_on.set()
+        a.stop()
+        assert b.stop()
+    runs.check_no_overlap()
+    assert [(r[0], r[1]) for r in sorted(runs.runs, key=lambda r: r[2])] == [
+        ("a", "slow"),
+        ("b", "other"),
+        ("b", "later"),
+    ]
+    assert topic.dead_letters() == []
+    lag = group_lag(engine, topic_name, "g")
+    assert sum(p.head - p.watermark for p in lag) == 0  # every message acked (the slow one by its first run)
+
+
+def test_a_released_topic_delivery_comes_back_with_its_attempt_not_counted(
+    engine: sa.Engine, topic_name: str, clock: ManualClock
+) -> None:
+    topic = Topic(engine, topic_name, clock=clock)
+    topic.create(1)
+    topic.publish("k", "m1", 1)
+    sub = Subscription(engine, topic_name, "g", "s1", max_attempts=1, clock=clock, lease_duration=30 * SECOND)
+    sub.rebalance()
+    for _ in range(3):  # given back three times at a stop: never dead-lettered, always the first attempt
+        (d,) = sub.poll(10)
+        assert (d.message_id, d.attempts) == ("m1", 1)
+        assert sub.release(d)
+        assert not sub.release(d)  # once: the delivery is no longer held
+    (d,) = sub.poll(10)
+    assert d.ack()
+    assert sub.poll(10) == []
+    assert topic.dead_letters() == []
+
+
+# -- queues: a handler running past the shutdown timeout keeps its lock, extended, until it returns --------
+def test_a_queue_handler_running_past_the_shutdown_timeout_keeps_its_lock_until_it_returns(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    runs = Runs()
+    go_on = threading.Event()
+
+    class Slow(Handler):
+        queue = queue_name
+        visibility_timeout = 2 * SECOND
+
+        def handle(self, delivery: Delivery, conn: sa.Connection | None = None) -> None:
+            run = runs.begin("worker", delivery.key)
+            go_on.wait(30)
+            run[3] = time.monotonic()
+
+    worker = Worker(engine, [Slow], clock=clock, concurrency=2, **QUICK_STOP)
+    q = worker.queues[0]
+    other = DelayedQueue(engine, queue_name, clock=clock)  # another consumer of the queue
+    q.offer("job", 1)
+    worker.start()
+    try:
+        wait_until(lambda: bool(runs.of("job")), "the handler to start")
+        assert worker.stop()  # the shutdown timeout passes while the handler runs
+        assert other.try_poll() is None  # not released
+        for _ in range(3):  # the lock would have expired three times over: the heartbeat goes on
+            clock.advance(5 * SECOND)
+            wait_until(lambda: locked_beyond(q, "job", clock.now()), "the lock to be extended")
+            assert other.try_poll() is None
+        go_on.set()
+        wait_until(lambda: q.get("job") is None, "the late handler's ack")
+    finally:
+        go_on.set()
+        worker.stop()
+    runs.check_no_overlap()
+    assert [r[0] for r in runs.of("job")] == ["worker"]
+
+
+def locked_beyond(q: DelayedQueue, key: str, now: dt.datetime) -> bool:
+    message = q.get(key)
+    return message is not None and message.locked and message.scheduled_at > now
+
+
+# -- `delayq worker` processes: SIGTERM while a handler outlives --shutdown-timeout -------------------------
+def start_worker(
+    backend: Backend, kind: str, name: str, markers: Path, *, seconds: float, exit_delay: float = 0
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DELAYQ_URL": backend.url,
+        "DELAYQ_TEST_KIND": kind,
+        "DELAYQ_TEST_NAME": name,
+        "DELAYQ_TEST_MARKERS": str(markers),
+        "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
+        "DELAYQ_TEST_EXIT_DELAY": str(exit_delay),
+        "PYTHONPATH": str(REPO_ROOT / "tests"),
+    }
+    command = [sys.executable, "-m", "delayq.cli", "worker", "shutdown_app:handlers", "--shutdown-timeout", "1"]
+    return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def marker_times(markers: Path, suffix: str) -> dict[tuple[str, int], float]:
+    """(message, pid) → when the marker was written."""
+    found = {}
+    for p in markers.glob(f"*.{suffix}"):
+        message, pid, _ = p.name.rsplit(".", 2)
+        found[message, int(pid)] = float(p.read_text())
+    return found
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize("kind", ["queue", "topic"])
+def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_runs(
+    backend: Backend, kind: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    name = f"s-{uuid.uuid4().hex[:12]}"
+    if kind == "queue":
+        DelayedQueue(backend.engine, name).offer("job", 1)
+    else:
+        Topic(backend.engine, name).create(1)
+        Topic(backend.engine, name).publish("k", "job", 1)
+    # The first worker's handler outlives its shutdown timeout (1 s) and its process lives 2 s more.
+    first = start_worker(backend, kind, name, tmp_path, seconds=30, exit_delay=2)
+    processes.append(first)
+    wait_until(lambda: bool(marker_times(tmp_path, "started")), "the first worker's handler to start")
+    second = start_worker(backend, kind, name, tmp_path, seconds=0)
+    processes.append(second)
+    first.send_signal(signal.SIGTERM)
+    output = first.communicate(timeout=30)[0].decode()
+    assert first.returncode == 0, output
+    wait_until(lambda: ("job", second.pid) in marker_times(tmp_path, "done"), "the second worker to handle it")
+    started = marker_times(tmp_path, "started")
+    assert sorted(pid for _, pid in started) == sorted([first.pid, second.pid])  # once each: nothing else ran
+    assert ("job", first.pid) not in marker_times(tmp_path, "done")  # (the first never finished)
+    # Not while the first process lived: its last act was after the stop, with the handler running.
+    first_exit = marker_times(tmp_path, "exit")["process", first.pid]
+    assert started["job", second.pid] > first_exit, output
+    if kind == "queue":
+        wait_until(lambda: DelayedQueue(backend.engine, name).get("job") is None, "the second worker's ack")
+    else:
+        wait_until(lambda: not group_lag(backend.engine, name, "g")[0].lag, "the second worker's ack")
+        assert Topic(backend.engine, name).dead_letters() == []
