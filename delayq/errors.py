@@ -10,6 +10,8 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     │   └── PayloadError         the serializer cannot encode the payload, or it is over 8 MiB
     ├── SerializationMismatchError   a stored row was written by another serializer
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
+    │   └── SchemaRevisionError  they are at another revision than this delayq's (older or newer)
+    ├── UnknownRevisionError     a migration target that names none of delayq's revisions
     └── UnsupportedDatabaseError a backend or server version delayq cannot run on
 
 Database errors that are not delayq's (a constraint of yours, a lost connection in
@@ -49,6 +51,14 @@ class SerializationMismatchError(DelayqError):
 
 class SchemaMissingError(DelayqError):
     """delayq's tables do not exist in the database."""
+
+
+class SchemaRevisionError(SchemaMissingError):
+    """delayq's tables are at an older revision than this delayq needs, or a newer one than it knows."""
+
+
+class UnknownRevisionError(DelayqError):
+    """A migration target names none of delayq's revisions."""
 
 
 class UnsupportedDatabaseError(DelayqError):

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from delayq.dialects import Dialect, Mode, dialect_for
 from delayq.errors import SchemaMissingError
+from delayq.migrations import check_revision
 from delayq.schema import Tables
 
 log = logging.getLogger("delayq")
@@ -94,6 +95,7 @@ class Runner:
         try:
             dialect_for(conn.engine).verify()
             self.dialect.prepare(conn.connection.driver_connection)
+            check_revision(conn, self.tables)
             return operation(conn, self.dialect)
         except DBAPIError as exc:
             self._raise_if_schema_missing(exc)
@@ -132,6 +134,7 @@ class Runner:
                 conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
             for sql in start.sql:
                 conn.exec_driver_sql(sql)
+            check_revision(conn, self.tables)  # once per engine and tables: the schema this delayq needs
             yield conn
             if start.commit:
                 conn.commit()
