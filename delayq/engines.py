@@ -31,7 +31,7 @@ READ_BOUND_SECONDS = 60.0
 
 
 def create_engine(
-    url: str | sa.URL, *, pool_size: int | None = None, max_overflow: int = 0, **kwargs: Any
+    url: str | sa.URL, *, pool_size: int | None = None, max_overflow: int = 10, **kwargs: Any
 ) -> sa.Engine:
     """An engine with delayq's network timeouts: a pool of ``pool_size`` connections (plus ``max_overflow``),
     or none (``NullPool``, a connection per use) when ``pool_size`` is None. ``kwargs`` go to SQLAlchemy."""
