@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 from delayq import engines, migrations
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
-from delayq.errors import DelayqError
+from delayq.errors import DelayqError, install_hint
 from delayq.handler import Handler
 from delayq.humanize import human, shorten
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
@@ -74,17 +74,17 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-INSTALL = "pip install 'delayq[postgres]' (psycopg) or 'delayq[mysql]' (mysqlclient)"
+INSTALL = f"{install_hint('postgres')} (psycopg), or the mysql extra (mysqlclient)"
 DRIVER_HINTS = {
-    "psycopg": "pip install 'delayq[postgres]'",
-    "MySQLdb": "pip install 'delayq[mysql]'",
-    "pymysql": "pip install pymysql, or write mysql+mysqldb://... and pip install 'delayq[mysql]'",
-    "psycopg2": "pip install psycopg2-binary, or write postgresql+psycopg://... and pip install 'delayq[postgres]'",
+    "psycopg": install_hint("postgres"),
+    "MySQLdb": install_hint("mysql"),
+    "pymysql": f"pip install pymysql, or write mysql+mysqldb://... and {install_hint('mysql')}",
+    "psycopg2": f"pip install psycopg2-binary, or write postgresql+psycopg://... and {install_hint('postgres')}",
 }
 OTHER_DRIVERS = {
     # URL driver name -> (its module, the driver delayq is built and tested on, as a URL and an extra)
-    "psycopg2": ("psycopg2", "postgresql+psycopg://... (pip install 'delayq[postgres]')"),
-    "pymysql": ("pymysql", "mysql+mysqldb://... (pip install 'delayq[mysql]')"),
+    "psycopg2": ("psycopg2", f"postgresql+psycopg://... ({install_hint('postgres')})"),
+    "pymysql": ("pymysql", f"mysql+mysqldb://... ({install_hint('mysql')})"),
 }
 """Synchronous drivers SQLAlchemy knows that delayq is not tested on: a note when installed, a hint when not."""
 ASYNC_DRIVERS = {
@@ -255,7 +255,7 @@ STATE_COLOURS = {
 def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
     """Rows as JSON, or as a table (headers bold and states coloured when stdout is a terminal)."""
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=str))
+        click.echo(json.dumps(rows, indent=2, default=json_value))
         return
     if not rows:
         click.echo("(nothing)")
@@ -271,6 +271,11 @@ def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
         click.echo("  ".join(cells).rstrip())
 
 
+def json_value(value: object) -> str:
+    """What JSON output writes for a value JSON has no type for: times in ISO 8601 (with ``T``), as everywhere."""
+    return value.isoformat() if isinstance(value, dt.datetime | dt.date | dt.time) else str(value)
+
+
 def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
     """``in 5m 00s`` or ``3.0s ago``."""
     if at is None:
@@ -281,7 +286,7 @@ def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+    return value if isinstance(value, str) else json.dumps(value, default=json_value)
 
 
 # -- setup --------------------------------------------------------------------------------------------
@@ -401,7 +406,7 @@ def serve_metrics(port: int, addr: str, w: Worker) -> None:
     try:
         from delayq.metrics import serve
     except ImportError:
-        raise Fail("--metrics-port needs prometheus-client: pip install 'delayq[metrics]'") from None
+        raise Fail(f"--metrics-port needs prometheus-client: {install_hint('metrics')}") from None
     try:
         serve(port, w.queues, addr=addr)
     except OSError as exc:
@@ -574,7 +579,7 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
         if not found:
             raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
     if as_json:
-        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=str))
+        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=json_value))
         return
     for m in found:
         for name, value in m.as_dict().items():
@@ -608,7 +613,7 @@ def top(ctx: click.Context, interval: float, queues: tuple[str, ...], times: int
 
         from delayq.top import Top, run
     except ImportError:
-        raise Fail("delayq top needs rich: pip install 'delayq[top]'") from None
+        raise Fail(f"delayq top needs rich: {install_hint('top')}") from None
     with connect(ctx):
         pass  # the tables are there (and a SQLite file is never created)
     engine = engines.create_engine(ctx.obj["url"])
@@ -895,7 +900,7 @@ def cron_ls(ctx: click.Context, queue: str | None, as_json: bool, at_text: str |
         now = parse_time(at_text) if at_text else None
         views = schedule_views(engine, conn, make_tables(ctx.obj["prefix"]), queue=queue, now=now)
     if as_json:
-        click.echo(json.dumps(views, indent=2, default=str))
+        click.echo(json.dumps(views, indent=2, default=json_value))
         return
     rows = [
         {

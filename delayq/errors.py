@@ -12,6 +12,7 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
     │   └── SchemaRevisionError  they are at another revision than this delayq's (older or newer)
     ├── UnknownRevisionError     a migration target that names none of delayq's revisions
+    ├── MissingExtraError        an optional feature whose extra is not installed (also an ImportError)
     └── UnsupportedDatabaseError a backend or server version delayq cannot run on
 
 Database errors that are not delayq's (a constraint of yours, a lost connection in
@@ -59,6 +60,15 @@ class SchemaRevisionError(SchemaMissingError):
 
 class UnknownRevisionError(DelayqError):
     """A migration target names none of delayq's revisions."""
+
+
+class MissingExtraError(DelayqError, ImportError):
+    """An optional feature needs a package its extra installs."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install ``extra`` (delayq is installed from its source tree, not from a package index)."""
+    return f"pip install -e '.[{extra}]' in delayq's source tree"
 
 
 class UnsupportedDatabaseError(DelayqError):
