@@ -13,7 +13,8 @@ import functools
 import re
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from alembic.util.exc import CommandError
 from sqlalchemy.engine import Connection, Engine
 
 from alembic import command
+from delayq.engines import create_engine
 from delayq.errors import SchemaRevisionError, UnknownRevisionError
 from delayq.schema import DEFAULT_PREFIX, Tables, make_tables
 
@@ -68,13 +70,31 @@ def upgrade(url: str | None = None, revision: str = "heads", **kwargs: Any) -> N
     """Apply delayq's migrations (Alembic's ``command.upgrade``); ``UnknownRevisionError`` for a revision
     delayq does not have."""
     _check_target(revision)
-    command.upgrade(config(url, **kwargs), revision)
+    with _connected(url, kwargs):
+        command.upgrade(config(url, **kwargs), revision)
 
 
 def downgrade(url: str | None = None, revision: str = "base", **kwargs: Any) -> None:
     """Revert delayq's migrations (Alembic's ``command.downgrade``)."""
     _check_target(revision)
-    command.downgrade(config(url, **kwargs), revision)
+    with _connected(url, kwargs):
+        command.downgrade(config(url, **kwargs), revision)
+
+
+@contextmanager
+def _connected(url: str | None, kwargs: dict[str, Any]) -> Iterator[None]:
+    """With a URL and no connection: one transaction on an engine with delayq's network timeouts (a server
+    that never answers fails the command in bounded time), as ``kwargs["connection"]``."""
+    if url is None or kwargs.get("connection") is not None:
+        yield
+        return
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            kwargs["connection"] = conn
+            yield
+    finally:
+        engine.dispose()
 
 
 _RELATIVE = re.compile(r"^(.+@)?[+-]\d+$")
