@@ -22,7 +22,7 @@ def ensure(url: sa.URL) -> str:
     if not name or url.get_backend_name() not in ("postgresql", "mysql", "mariadb"):
         return "nothing to create"
     postgres = url.get_backend_name() == "postgresql"
-    server = url.set(database="postgres" if postgres else None)
+    server = url._replace(database="postgres" if postgres else None)
     engine = sa.create_engine(server, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
