@@ -500,3 +500,15 @@ def test_the_failure_modes_table_covers_what_an_operator_can_get_wrong() -> None
     needed = {"server down", "silent server (postgresql)", "silent server (mysql)", "wrong password", "old schema"}
     needed |= {"newer schema", "missing extra (top)", "bad payload", "missing tables"}
     assert needed <= cases, needed - cases
+
+
+def test_a_missing_table_error_names_the_tables_that_are_missing(backend: Backend, prefix: str) -> None:
+    """Tables made without Alembic (no revision to judge) but without the topic tables: the error names those."""
+    from delayq.errors import SchemaMissingError
+
+    tables = make_tables(prefix)
+    with backend.engine.begin() as conn:
+        tables.metadata.create_all(conn, tables=[tables.messages, tables.dead_letters, tables.schedules])
+    with pytest.raises(SchemaMissingError) as refused:
+        Topic(backend.engine, f"t{uuid.uuid4().hex[:8]}", table_prefix=prefix).create(1)
+    assert f"{prefix}topic_" in str(refused.value) and f"{prefix}messages" not in str(refused.value)
