@@ -936,9 +936,10 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
         if not any(v["name"] == name for v in views):
             known = ", ".join(repr(v["name"]) for v in views) or "none"
             raise Fail(f"no schedule {name!r} on queue {queue!r} (its schedules: {known})")
+    if not yes:
+        click.confirm(f"uninstall cron schedule {name!r} of queue {queue!r}?", abort=True)
+    with connect(ctx) as (engine, conn):
         conn.rollback()
-        if not yes:
-            click.confirm(f"uninstall cron schedule {name!r} of queue {queue!r}?", abort=True)
         deleted = uninstall(admin_queue(engine, ctx, queue), name)
     click.echo(f"{queue} {name}: uninstalled, {deleted} pending run(s) deleted")
 

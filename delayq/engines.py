@@ -15,14 +15,15 @@ Engines an application builds with ``sqlalchemy.create_engine`` are left as they
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
 
 from delayq.dialects import dialect_class
-from delayq.watchdog import Watchdog
+from delayq.watchdog import _shut_down
 
 __all__ = ["READ_BOUND_SECONDS", "create_engine", "read_bound"]
 
@@ -48,13 +49,54 @@ def create_engine(
 
 @contextmanager
 def read_bound(engine: sa.Engine, seconds: float = READ_BOUND_SECONDS) -> Iterator[None]:
-    """While the block runs, a connection this thread has held longer than ``seconds`` has its socket
-    shut down, so a call stuck on a server that stopped answering fails as a lost connection
-    (psycopg; mysqlclient's own ``read_timeout`` does the same)."""
-    me = threading.get_ident()
-    watchdog = Watchdog(engine, seconds, lambda: {me})
-    watchdog.start()
+    """While the block runs, a statement on ``engine`` that has had no reply for ``seconds`` has its
+    connection's socket shut down, so it fails as a lost connection instead of waiting on a server that
+    stopped answering (psycopg has no read timeout; mysqlclient's ``read_timeout`` does the same)."""
+    bound = _CallBound(seconds)
+    events: dict[str, Callable[..., Any]] = {
+        "before_cursor_execute": bound.before,
+        "after_cursor_execute": bound.after,
+        "handle_error": bound.error,
+    }
+    for name, fn in events.items():
+        sa.event.listen(engine, name, fn)
+    stop = threading.Event()
+    watcher = threading.Thread(target=bound.watch, args=(stop,), name="delayq-read-bound", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        watchdog.stop()
+        stop.set()
+        watcher.join(5)
+        for name, fn in events.items():
+            sa.event.remove(engine, name, fn)
+
+
+class _CallBound:
+    """The statements under way (by SQLAlchemy connection), since when, on which DBAPI connection."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._calls: dict[int, tuple[Any, float]] = {}
+        self._lock = threading.Lock()
+
+    def before(self, conn: sa.Connection, *_: Any) -> None:
+        with self._lock:
+            self._calls[id(conn)] = (conn.connection.dbapi_connection, time.monotonic())
+
+    def after(self, conn: sa.Connection, *_: Any) -> None:
+        with self._lock:
+            self._calls.pop(id(conn), None)
+
+    def error(self, context: sa.engine.ExceptionContext) -> None:
+        with self._lock:
+            self._calls.pop(id(context.connection), None)
+
+    def watch(self, stop: threading.Event) -> None:
+        while not stop.wait(min(1.0, self.seconds / 4)):
+            now = time.monotonic()
+            with self._lock:
+                stuck = [k for k, (_, since) in self._calls.items() if now - since > self.seconds]
+                dropped = [self._calls.pop(k)[0] for k in stuck]
+            for dbapi_connection in dropped:
+                _shut_down(dbapi_connection)

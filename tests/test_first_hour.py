@@ -512,3 +512,28 @@ def test_a_missing_table_error_names_the_tables_that_are_missing(backend: Backen
     with pytest.raises(SchemaMissingError) as refused:
         Topic(backend.engine, f"t{uuid.uuid4().hex[:8]}", table_prefix=prefix).create(1)
     assert f"{prefix}topic_" in str(refused.value) and f"{prefix}messages" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
+def test_a_statement_on_a_connection_that_went_silent_fails_within_the_read_bound(
+    name: str, backend_urls: dict[str, str]
+) -> None:
+    """The command line's client-side read bound: a connection that answered, then went silent for good (a NAT
+    that forgot it), fails its next statement as a lost connection instead of waiting forever. On PostgreSQL
+    that is delayq's bound (psycopg has no read timeout); on MariaDB mysqlclient's ``read_timeout``, which the
+    URL may set (as here, shorter than delayq's 60 s)."""
+    from faults import FaultProxy
+
+    from delayq.engines import create_engine, read_bound
+
+    with FaultProxy.for_url(backend_urls[name]) as proxy:
+        url = sa.engine.make_url(proxy.url_for(backend_urls[name]))
+        engine = create_engine(url if name == "postgresql" else url.update_query_dict({"read_timeout": "1"}))
+        try:
+            with read_bound(engine, 1.0), engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT 1")).scalar() == 1
+                proxy.stall_existing()
+                with pytest.raises(sa.exc.DBAPIError):
+                    conn.execute(sa.text("SELECT 2"))
+        finally:
+            engine.dispose()
