@@ -619,7 +619,8 @@ def top(ctx: click.Context, interval: float, queues: tuple[str, ...], times: int
     engine = engines.create_engine(ctx.obj["url"])
     try:
         only = [check_queue_name(q) for q in queues] or None
-        run(Top(engine, ctx.obj["prefix"], only=only), Console(), interval, times)
+        with engines.read_bound(engine):
+            run(Top(engine, ctx.obj["prefix"], only=only), Console(), interval, times)
     except KeyboardInterrupt:
         pass
     finally:
@@ -849,16 +850,17 @@ def _dead_command(verb: str) -> Callable[..., None]:
         engine = engines.create_engine(ctx.obj["url"], pool_size=1)
         q, done = admin_queue(engine, ctx, queue), 0
         try:
-            if verb == "purge":  # one statement, whatever the number of keys
-                done = q.purge_dead(key=key, key_prefix=key_prefix, everything=everything)
-            else:
-                with (
-                    click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
-                    if len(keys) > 100
-                    else _plain(keys) as bar
-                ):
-                    for k in bar:
-                        done += q.requeue_dead(k)
+            with engines.read_bound(engine):
+                if verb == "purge":  # one statement, whatever the number of keys
+                    done = q.purge_dead(key=key, key_prefix=key_prefix, everything=everything)
+                else:
+                    with (
+                        click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
+                        if len(keys) > 100
+                        else _plain(keys) as bar
+                    ):
+                        for k in bar:
+                            done += q.requeue_dead(k)
         finally:
             engine.dispose()
         click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")

@@ -5,7 +5,7 @@ Each gets the dialect's ``network_timeouts`` as connect arguments, unless the UR
 - PostgreSQL (psycopg): ``connect_timeout`` 10 s, TCP keepalives (idle 10 s, every 5 s, 3 probes) and
   ``tcp_user_timeout`` 30 s, so a server that accepts TCP and never answers fails the connect in 10 s
   and a peer that vanished fails the connection within about 30 s. psycopg has no read timeout:
-  ``read_bound`` (below) adds one on the client side for the command line.
+  ``read_bound`` (below) adds one on the client side for the command line (60 s per statement).
 - MariaDB/MySQL (mysqlclient): ``connect_timeout`` 10 s, ``read_timeout`` and ``write_timeout`` 60 s.
 - SQLite: nothing (no network).
 
