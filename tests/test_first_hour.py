@@ -414,6 +414,8 @@ def test_a_missing_extra_is_one_line_that_works_from_the_source_tree(tmp_path: P
         )
 
     documented("missing extra (top)", run(["rich"], "--url", url, "top"))
+    metrics = run(["prometheus_client"], "--url", url, "worker", "delayq.demo:SendEmail", "--metrics-port", "0")
+    documented("missing extra (metrics)", metrics)
     documented("missing driver", run(["psycopg"], "--url", "postgresql+psycopg://u@127.0.0.1/x", "stats"))
     traced = subprocess.run(
         [
