@@ -24,12 +24,11 @@ from typing import Any, ParamSpec, TypeVar
 import click
 import sqlalchemy as sa
 
-from delayq import migrations
+from delayq import engines, migrations
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
-from delayq.dialects import dialect_class
-from delayq.errors import DelayqError
+from delayq.errors import DelayqError, install_hint
 from delayq.handler import Handler
-from delayq.humanize import human
+from delayq.humanize import human, shorten
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
@@ -75,17 +74,17 @@ def friendly(command: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-INSTALL = "pip install 'delayq[postgres]' (psycopg) or 'delayq[mysql]' (mysqlclient)"
+INSTALL = f"{install_hint('postgres')} (psycopg), or the mysql extra (mysqlclient)"
 DRIVER_HINTS = {
-    "psycopg": "pip install 'delayq[postgres]'",
-    "MySQLdb": "pip install 'delayq[mysql]'",
-    "pymysql": "pip install pymysql, or write mysql+mysqldb://... and pip install 'delayq[mysql]'",
-    "psycopg2": "pip install psycopg2-binary, or write postgresql+psycopg://... and pip install 'delayq[postgres]'",
+    "psycopg": install_hint("postgres"),
+    "MySQLdb": install_hint("mysql"),
+    "pymysql": f"pip install pymysql, or write mysql+mysqldb://... and {install_hint('mysql')}",
+    "psycopg2": f"pip install psycopg2-binary, or write postgresql+psycopg://... and {install_hint('postgres')}",
 }
 OTHER_DRIVERS = {
     # URL driver name -> (its module, the driver delayq is built and tested on, as a URL and an extra)
-    "psycopg2": ("psycopg2", "postgresql+psycopg://... (pip install 'delayq[postgres]')"),
-    "pymysql": ("pymysql", "mysql+mysqldb://... (pip install 'delayq[mysql]')"),
+    "psycopg2": ("psycopg2", f"postgresql+psycopg://... ({install_hint('postgres')})"),
+    "pymysql": ("pymysql", f"mysql+mysqldb://... ({install_hint('mysql')})"),
 }
 """Synchronous drivers SQLAlchemy knows that delayq is not tested on: a note when installed, a hint when not."""
 ASYNC_DRIVERS = {
@@ -103,6 +102,11 @@ def check_url(url: str) -> sa.engine.URL | None:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         return None  # the command reports a bad URL
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise Fail(
+            "sqlite:///:memory: is a database of one process, gone when the command ends: "
+            "give a file, e.g. --url sqlite:///delayq.db"
+        )
     driver = parsed.get_driver_name()
     sync = ASYNC_DRIVERS.get(driver)
     if sync is not None:
@@ -184,23 +188,34 @@ def main(ctx: click.Context, url: str, prefix: str) -> None:
 
 @contextmanager
 def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
+    """A connection to a database whose tables are at this delayq's revision, every call on it bounded."""
     check_sqlite_file(check_url(ctx.obj["url"]))
-    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
+    engine = engines.create_engine(ctx.obj["url"])
     try:
-        try:
-            opened = engine.connect()
-        except TypeError as exc:  # mysqlclient's answer to a URL option it does not know
-            raise Fail(f"bad database URL: {exc}") from None
-        with opened as conn:
-            tables = make_tables(ctx.obj["prefix"])
-            if not sa.inspect(conn).has_table(tables.messages.name):
-                raise Fail(
-                    f"delayq's tables ({tables.messages.name}, ...) are not in this database: run "
-                    "`delayq migrate` with the same --url"
-                )
+        with engines.read_bound(engine), _opened(engine) as conn:
+            check_schema(conn, ctx.obj["prefix"])
             yield engine, conn
     finally:
         engine.dispose()
+
+
+def _opened(engine: sa.Engine) -> sa.Connection:
+    try:
+        return engine.connect()
+    except TypeError as exc:  # mysqlclient's answer to a URL option it does not know
+        raise Fail(f"bad database URL: {exc}") from None
+
+
+def check_schema(conn: sa.Connection, prefix: str) -> None:
+    """``Fail`` unless delayq's tables are there, at the revision this delayq needs."""
+    tables = make_tables(prefix)
+    if not sa.inspect(conn).has_table(tables.messages.name):
+        raise Fail(
+            f"delayq's tables ({tables.messages.name}, ...) are not in this database: run "
+            "`delayq migrate` with the same --url"
+        )
+    migrations.check_revision(conn, tables)
+    conn.rollback()
 
 
 def unknown_queue_note(ctx: click.Context, conn: sa.Connection, name: str) -> str:
@@ -240,7 +255,7 @@ STATE_COLOURS = {
 def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
     """Rows as JSON, or as a table (headers bold and states coloured when stdout is a terminal)."""
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=str))
+        click.echo(json.dumps(rows, indent=2, default=json_value))
         return
     if not rows:
         click.echo("(nothing)")
@@ -256,6 +271,11 @@ def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
         click.echo("  ".join(cells).rstrip())
 
 
+def json_value(value: object) -> str:
+    """What JSON output writes for a value JSON has no type for: times in ISO 8601 (with ``T``), as everywhere."""
+    return value.isoformat() if isinstance(value, dt.datetime | dt.date | dt.time) else str(value)
+
+
 def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
     """``in 5m 00s`` or ``3.0s ago``."""
     if at is None:
@@ -266,7 +286,7 @@ def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+    return value if isinstance(value, str) else json.dumps(value, default=json_value)
 
 
 # -- setup --------------------------------------------------------------------------------------------
@@ -362,11 +382,11 @@ def worker(
     if "" not in sys.path:
         sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
     loaded = load_handlers(handlers)
-    check_url(ctx.obj["url"])
+    check_sqlite_file(check_url(ctx.obj["url"]))
     engine = worker_engine(ctx.obj["url"], concurrency)
     try:
-        with engine.connect():
-            pass  # fail now, with one line, if the database cannot be reached
+        with engines.read_bound(engine), _opened(engine) as conn:
+            check_schema(conn, ctx.obj["prefix"])  # fail now, in one line, before any loop starts
         w = Worker(
             engine,
             loaded,
@@ -386,7 +406,7 @@ def serve_metrics(port: int, addr: str, w: Worker) -> None:
     try:
         from delayq.metrics import serve
     except ImportError:
-        raise Fail("--metrics-port needs prometheus-client: pip install 'delayq[metrics]'") from None
+        raise Fail(f"--metrics-port needs prometheus-client: {install_hint('metrics')}") from None
     try:
         serve(port, w.queues, addr=addr)
     except OSError as exc:
@@ -395,29 +415,15 @@ def serve_metrics(port: int, addr: str, w: Worker) -> None:
 
 
 def worker_engine(url: str, concurrency: int) -> sa.Engine:
-    """An engine whose pool fits a worker of ``concurrency`` handlers, with network timeouts.
+    """An engine whose pool fits a worker of ``concurrency`` handlers, with delayq's network timeouts.
 
     Each handler may hold a connection for its whole run (a transactional one does), and the fetch
     loop, the heartbeat and the listener need one each besides: a smaller pool would make them
-    wait on each other. Engines without a queue pool (SQLite in memory) are left as they are.
-    The dialect's ``network_timeouts`` apply unless the URL sets them.
+    wait on each other.
     """
-    engine = sa.create_engine(url)
-    if not isinstance(engine.pool, sa.pool.QueuePool):
-        return engine
-    engine.dispose()
-    parsed = sa.engine.make_url(url)
-    defaults = dialect_class(engine.dialect.name).network_timeouts
-    timeouts = {k: v for k, v in defaults.items() if k not in parsed.query}
     # delayq ends every transaction it begins (commit, or a rollback when its Connection closes on an
     # error), so the pool's ROLLBACK on return would only cost a round trip (on mysqlclient).
-    return sa.create_engine(
-        url,
-        pool_size=concurrency + 3,
-        max_overflow=concurrency,
-        connect_args=timeouts,
-        pool_reset_on_return=None,
-    )
+    return engines.create_engine(url, pool_size=concurrency + 3, max_overflow=concurrency, pool_reset_on_return=None)
 
 
 SECRET_QUERY_KEYS = {"password", "passwd", "pass", "sslpassword", "sslkey_password"}
@@ -440,6 +446,10 @@ def shown_url(url: str) -> str:
 
 
 # -- looking -------------------------------------------------------------------------------------------
+PAYLOAD_SHOWN = 200
+"""Characters of a payload (as JSON) that listings show; ``show`` and ``ls --full`` show it whole."""
+
+
 @main.command()
 @click.argument("queue", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -495,13 +505,23 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
 @click.option("--key-prefix", help="Only keys that start with this.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters).")
 @click.pass_context
 @friendly
-def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None, limit: int, as_json: bool) -> None:
+def ls(
+    ctx: click.Context,
+    queue: str,
+    state: str | None,
+    key_prefix: str | None,
+    limit: int,
+    as_json: bool,
+    full: bool,
+) -> None:
     """List a queue's messages (or dead letters) by due time, in the states `stats` counts.
 
     A queue with nothing in it lists nothing (exit 0); when the database knows nothing of it at all,
-    stderr says so, with the queues it does know.
+    stderr says so, with the queues it does know. A payload longer than 200 characters (as JSON) is
+    cut, with its length: `show` and `--full` print it whole.
     """
     check_queue_name(queue)
     with connect(ctx) as (_, conn):
@@ -519,15 +539,18 @@ def ls(ctx: click.Context, queue: str, state: str | None, key_prefix: str | None
     if note:
         click.echo(f"note: {note}", err=True)
     if as_json:
-        emit([m.as_dict() for m in found], True, [])
+        listed = [m.as_dict() for m in found]
+        for d in listed:
+            d["payload"] = d["payload"] if full else shorten(d["payload"], PAYLOAD_SHOWN)
+        emit(listed, True, [])
         return
     dead_only = state == State.DEAD.value
-    rows = [_row(m, now) for m in found]
+    rows = [_row(m, now, full) for m in found]
     when = ["failed"] if dead_only else ["due", "running"]
     emit(rows, False, ["key", "state", *when, "attempts", "last_error", "payload"])
 
 
-def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
+def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
     return {
         "key": m.key,
         "state": m.state.value,
@@ -536,7 +559,7 @@ def _row(m: StoredMessage, now: dt.datetime) -> dict[str, Any]:
         "running": "" if (ran := m.running_for(now)) is None else human(ran),
         "attempts": m.attempts,
         "last_error": m.last_error,
-        "payload": m.payload,
+        "payload": m.payload if full else shorten(m.payload, PAYLOAD_SHOWN),
     }
 
 
@@ -558,7 +581,7 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
         if not found:
             raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
     if as_json:
-        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=str))
+        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=json_value))
         return
     for m in found:
         for name, value in m.as_dict().items():
@@ -592,13 +615,14 @@ def top(ctx: click.Context, interval: float, queues: tuple[str, ...], times: int
 
         from delayq.top import Top, run
     except ImportError:
-        raise Fail("delayq top needs rich: pip install 'delayq[top]'") from None
+        raise Fail(f"delayq top needs rich: {install_hint('top')}") from None
     with connect(ctx):
         pass  # the tables are there (and a SQLite file is never created)
-    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
+    engine = engines.create_engine(ctx.obj["url"])
     try:
         only = [check_queue_name(q) for q in queues] or None
-        run(Top(engine, ctx.obj["prefix"], only=only), Console(), interval, times)
+        with engines.read_bound(engine):
+            run(Top(engine, ctx.obj["prefix"], only=only), Console(), interval, times)
     except KeyboardInterrupt:
         pass
     finally:
@@ -742,13 +766,14 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
 def enqueue(
     ctx: click.Context, queue: str, key: str, payload: str, at_text: str | None, in_text: str | None, update: bool
 ) -> None:
-    """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"')."""
+    """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
     if at_text is not None and in_text is not None:
         raise Fail("give at most one of --at TIME or --in DURATION")
+    text, where = read_payload(payload)
     try:
-        value = json.loads(payload)
+        value = json.loads(text)
     except ValueError as exc:
-        raise Fail(f"PAYLOAD is not JSON ({exc}): write a string with its quotes, e.g. '\"hello\"'") from None
+        raise Fail(f"{where} is not JSON ({exc}): write a string with its quotes, e.g. '\"hello\"'") from None
     at: dt.datetime | dt.timedelta | None = None
     if at_text is not None:
         at = parse_time(at_text)
@@ -758,6 +783,22 @@ def enqueue(
         conn.rollback()
         outcome = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"]).offer(key, value, at, update=update)
     click.echo(f"{queue} {key}: {outcome.value}")
+
+
+def read_payload(arg: str) -> tuple[str, str]:
+    """The payload's text and what to call it in errors: ``-`` reads stdin, ``@path`` a file, else ``arg``."""
+    if arg == "-":
+        return sys.stdin.read(), "stdin"
+    if arg.startswith("@"):
+        path = arg[1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except OSError as exc:
+            raise Fail(f"cannot read the payload file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return arg, "PAYLOAD"
 
 
 def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:
@@ -808,19 +849,20 @@ def _dead_command(verb: str) -> Callable[..., None]:
                 raise Fail(f"no dead letters match in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
         if not yes:
             click.confirm(f"{verb} {len(keys)} dead letter key(s) of {queue!r}?", abort=True)
-        engine = sa.create_engine(ctx.obj["url"])
+        engine = engines.create_engine(ctx.obj["url"], pool_size=1)
         q, done = admin_queue(engine, ctx, queue), 0
         try:
-            if verb == "purge":  # one statement, whatever the number of keys
-                done = q.purge_dead(key=key, key_prefix=key_prefix, everything=everything)
-            else:
-                with (
-                    click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
-                    if len(keys) > 100
-                    else _plain(keys) as bar
-                ):
-                    for k in bar:
-                        done += q.requeue_dead(k)
+            with engines.read_bound(engine):
+                if verb == "purge":  # one statement, whatever the number of keys
+                    done = q.purge_dead(key=key, key_prefix=key_prefix, everything=everything)
+                else:
+                    with (
+                        click.progressbar(keys, label=f"{verb}", file=sys.stderr, show_pos=True)
+                        if len(keys) > 100
+                        else _plain(keys) as bar
+                    ):
+                        for k in bar:
+                            done += q.requeue_dead(k)
         finally:
             engine.dispose()
         click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")
@@ -862,7 +904,7 @@ def cron_ls(ctx: click.Context, queue: str | None, as_json: bool, at_text: str |
         now = parse_time(at_text) if at_text else None
         views = schedule_views(engine, conn, make_tables(ctx.obj["prefix"]), queue=queue, now=now)
     if as_json:
-        click.echo(json.dumps(views, indent=2, default=str))
+        click.echo(json.dumps(views, indent=2, default=json_value))
         return
     rows = [
         {
@@ -890,16 +932,19 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
 
     A process that still declares the schedule installs it again (and logs a warning that it did).
     """
-    from delayq.cron import uninstall
+    from delayq.cron import schedule_views, uninstall
 
-    check_url(ctx.obj["url"])
+    check_queue_name(queue)
+    with connect(ctx) as (engine, conn):
+        views = schedule_views(engine, conn, make_tables(ctx.obj["prefix"]), queue=queue)
+        if not any(v["name"] == name for v in views):
+            known = ", ".join(repr(v["name"]) for v in views) or "none"
+            raise Fail(f"no schedule {name!r} on queue {queue!r} (its schedules: {known})")
     if not yes:
         click.confirm(f"uninstall cron schedule {name!r} of queue {queue!r}?", abort=True)
-    engine = sa.create_engine(ctx.obj["url"], poolclass=sa.pool.NullPool)
-    try:
+    with connect(ctx) as (engine, conn):
+        conn.rollback()
         deleted = uninstall(admin_queue(engine, ctx, queue), name)
-    finally:
-        engine.dispose()
     click.echo(f"{queue} {name}: uninstalled, {deleted} pending run(s) deleted")
 
 

@@ -23,13 +23,14 @@ import sqlalchemy as sa
 
 from delayq import migrations
 from delayq.cron import CronService
+from delayq.engines import create_engine
 from delayq.handler import DeadLetter, Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.worker import Worker
 
-EMAILS, TICKS = "demo-emails", "demo-ticks"
+EMAILS, TICKS, SCHEDULE = "demo-emails", "demo-ticks", "every-3s"
 MAX_EXTRA_SECONDS = 60.0
 """How long past ``--seconds`` the demo waits for its emails to settle."""
 events: Counter[str] = Counter()
@@ -117,12 +118,22 @@ def this_delayq() -> tuple[str, str]:
     return shlex.quote(shown), hint
 
 
+def start_afresh(emails: DelayedQueue, cron: CronService) -> None:
+    """Remove what an earlier run left (its emails, dead letters, schedule and ticks): a rerun shows the same tour."""
+    emails.cancel_prefix("email-")
+    emails.purge_dead(everything=True)
+    cron.uninstall(SCHEDULE)
+    cron.queue.purge_dead(everything=True)
+
+
 def run_demo(url: str, seconds: float) -> None:
     """Migrate, offer, install a schedule, run a worker (at least ``seconds``, until the emails settle), summarise."""
     click.echo(f"delayq demo on {sa.engine.make_url(url).render_as_string()}\n")
     migrations.upgrade(url)
-    engine = sa.create_engine(url)
+    engine = create_engine(url, pool_size=8)
     emails = DelayedQueue(engine, EMAILS)
+    cron = CronService(DelayedQueue(engine, TICKS))
+    start_afresh(emails, cron)
     keys = [f"email-{n}" for n in range(12)]
     outcomes = emails.offer_many(
         [
@@ -142,8 +153,7 @@ def run_demo(url: str, seconds: float) -> None:
             f"offered {len(keys)} emails due over the next 6 s: {created} new, "
             f"{len(keys) - created} still queued from an earlier run (same keys: not offered twice)"
         )
-    cron = CronService(DelayedQueue(engine, TICKS))
-    cron.install_periodic("every-3s", every=dt.timedelta(seconds=3))
+    cron.install_periodic(SCHEDULE, every=dt.timedelta(seconds=3))
     click.echo("installed a cron schedule: a tick every 3 s\n")
 
     logging.getLogger("delayq").setLevel(logging.ERROR)
@@ -165,6 +175,7 @@ def run_demo(url: str, seconds: float) -> None:
             break
     cron.stop()
     worker.stop()
+    cron.uninstall(SCHEDULE)  # no process keeps it installed now: left behind, `cron ls` would call it STALLED
     s = emails.stats()
     left = s.ready + s.scheduled + s.in_flight + s.expired_locks
     click.echo(

@@ -10,6 +10,9 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     │   └── PayloadError         the serializer cannot encode the payload, or it is over 8 MiB
     ├── SerializationMismatchError   a stored row was written by another serializer
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
+    │   └── SchemaRevisionError  they are at another revision than this delayq's (older or newer)
+    ├── UnknownRevisionError     a migration target that names none of delayq's revisions
+    ├── MissingExtraError        an optional feature whose extra is not installed (also an ImportError)
     ├── UnsupportedDatabaseError a backend or server version delayq cannot run on
     └── WrongApiError            an async engine or transaction given to the sync API, or the reverse
                                  (also a TypeError); it names the class to use
@@ -51,6 +54,23 @@ class SerializationMismatchError(DelayqError):
 
 class SchemaMissingError(DelayqError):
     """delayq's tables do not exist in the database."""
+
+
+class SchemaRevisionError(SchemaMissingError):
+    """delayq's tables are at an older revision than this delayq needs, or a newer one than it knows."""
+
+
+class UnknownRevisionError(DelayqError):
+    """A migration target names none of delayq's revisions."""
+
+
+class MissingExtraError(DelayqError, ImportError):
+    """An optional feature needs a package its extra installs."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install ``extra`` (delayq is installed from its source tree, not from a package index)."""
+    return f"pip install -e '.[{extra}]' in delayq's source tree"
 
 
 class UnsupportedDatabaseError(DelayqError):

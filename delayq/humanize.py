@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 
-__all__ = ["human"]
+__all__ = ["human", "shorten"]
 
 
 def human(span: dt.timedelta) -> str:
@@ -22,3 +23,11 @@ def human(span: dt.timedelta) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m"
     return f"{minutes}m {seconds:02d}s"
+
+
+def shorten(value: object, limit: int) -> object:
+    """``value`` as it is when its JSON is at most ``limit`` characters; else that JSON cut, with its length."""
+    text = json.dumps(value, default=str)
+    if len(text) <= limit:
+        return value
+    return f"{text[:limit]}… ({len(text):,} characters)"

@@ -7,7 +7,8 @@ as ``delayq worker --metrics-port N`` does. What is exported:
 - counters per queue: ``delayq_offered_total``, ``delayq_delivered_total``, ``delayq_acked_total``,
   ``delayq_retried_total``, ``delayq_dead_lettered_total``, ``delayq_lock_lost_total`` (a delivery whose
   lock was found gone counts once, whether its heartbeat, its ack, its retry or its dead letter found it);
-- histograms per queue: ``delayq_handler_duration_seconds`` (with ``outcome``: success or failure) and
+- histograms per queue: ``delayq_handler_duration_seconds`` (with ``outcome``: success, failure, or
+  retry and dead_letter for a handler that raised ``Retry`` or ``DeadLetter``) and
   ``delayq_pickup_latency_seconds`` (from a message's due time to its handler's start; clocks of the
   database and of the worker's host both count);
 - gauges per queue, read at scrape time with one ``stats()`` statement per queue (none between scrapes):
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -89,16 +90,18 @@ class _Histogram:
         self.total += value
 
 
+OUTCOMES: tuple[observe.Outcome, ...] = get_args(observe.Outcome)
+
+
 class _QueueTally:
     """What one queue's deliveries added up to: a worker finds it with one look-up per delivery."""
 
-    __slots__ = ("delivered", "failure", "latency", "success")
+    __slots__ = ("delivered", "durations", "latency")
 
     def __init__(self) -> None:
         self.delivered = 0
         self.latency = _Histogram(LATENCY_BUCKETS)
-        self.success = _Histogram(DURATION_BUCKETS)
-        self.failure = _Histogram(DURATION_BUCKETS)
+        self.durations = {o: _Histogram(DURATION_BUCKETS) for o in OUTCOMES}
 
 
 class Metrics(observe.Observer, Collector):
@@ -133,7 +136,7 @@ class Metrics(observe.Observer, Collector):
         queue = delivery.queue
         with self._counting:
             tally = self._tallies.get(queue) or self._tallies.setdefault(queue, _QueueTally())
-            (tally.success if error is None else tally.failure).observe(duration)
+            tally.durations[observe.outcome(error)].observe(duration)
 
     def counted(self, event: observe.Event, queue: str, n: int) -> None:
         key = (event, queue)
@@ -162,8 +165,7 @@ class Metrics(observe.Observer, Collector):
                 counts["delivered", queue] = tally.delivered
                 series: tuple[tuple[str, tuple[str, ...], _Histogram], ...] = (
                     ("pickup_latency_seconds", (queue,), tally.latency),
-                    ("handler_duration_seconds", (queue, "success"), tally.success),
-                    ("handler_duration_seconds", (queue, "failure"), tally.failure),
+                    *(("handler_duration_seconds", (queue, o), h) for o, h in tally.durations.items()),
                 )
                 for name, labels, h in series:
                     if any(h.counts):  # a series appears with its first observation

@@ -9,15 +9,26 @@ run ``alembic upgrade heads``, and pass ``include_name`` (or delayq's ``metadata
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from alembic.config import Config
-from sqlalchemy.engine import Connection
+from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
+from alembic.util.exc import CommandError
+from sqlalchemy.engine import Connection, Engine
 
 from alembic import command
-from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.engines import create_engine
+from delayq.errors import SchemaRevisionError, UnknownRevisionError
+from delayq.schema import DEFAULT_PREFIX, Tables, make_tables
 
 BRANCH = "delayq"
 
@@ -56,13 +67,121 @@ def config(
 
 
 def upgrade(url: str | None = None, revision: str = "heads", **kwargs: Any) -> None:
-    """Apply delayq's migrations (Alembic's ``command.upgrade``)."""
-    command.upgrade(config(url, **kwargs), revision)
+    """Apply delayq's migrations (Alembic's ``command.upgrade``); ``UnknownRevisionError`` for a revision
+    delayq does not have."""
+    _check_target(revision)
+    with _connected(url, kwargs):
+        command.upgrade(config(url, **kwargs), revision)
 
 
 def downgrade(url: str | None = None, revision: str = "base", **kwargs: Any) -> None:
     """Revert delayq's migrations (Alembic's ``command.downgrade``)."""
-    command.downgrade(config(url, **kwargs), revision)
+    _check_target(revision)
+    with _connected(url, kwargs):
+        command.downgrade(config(url, **kwargs), revision)
+
+
+@contextmanager
+def _connected(url: str | None, kwargs: dict[str, Any]) -> Iterator[None]:
+    """With a URL and no connection: one transaction on an engine with delayq's network timeouts (a server
+    that never answers fails the command in bounded time), as ``kwargs["connection"]``."""
+    if url is None or kwargs.get("connection") is not None:
+        yield
+        return
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            kwargs["connection"] = conn
+            yield
+    finally:
+        engine.dispose()
+
+
+_RELATIVE = re.compile(r"^(.+@)?[+-]\d+$")
+
+
+@functools.cache
+def _script() -> ScriptDirectory:
+    return ScriptDirectory(script_location())
+
+
+@functools.cache
+def _revisions() -> frozenset[str]:
+    return frozenset(r.revision for r in _script().walk_revisions())
+
+
+def head_revisions() -> tuple[str, ...]:
+    """The head revision(s) of the packaged migrations: the schema this delayq needs."""
+    return tuple(sorted(_script().get_heads()))
+
+
+def _check_target(revision: str) -> None:
+    """Refuse, before anything runs, a target that names no revision of delayq's (``heads``, ``base``,
+    ``+1`` and other Alembic spellings pass)."""
+    if _RELATIVE.match(revision):
+        return  # relative to the database's revision: Alembic judges it there
+    try:
+        _script().revision_map.get_revisions(revision)
+    except (CommandError, RevisionError):
+        known = ", ".join(sorted(_revisions()))
+        raise UnknownRevisionError(
+            f"no revision {revision!r} in delayq's migrations: give one of {known}, heads or base"
+        ) from None
+
+
+def database_revisions(conn: Connection, tables: Tables) -> set[str] | None:
+    """delayq's revisions recorded in the database (standalone: ``{prefix}alembic_version``; embedded:
+    the application's ``alembic_version``, its own revisions left out); None when neither table has any."""
+    inspector = sa.inspect(conn)
+    schema = tables.messages.schema
+    prefix = tables.messages.name.removesuffix("messages")
+    for name in (version_table(prefix), "alembic_version"):
+        if not inspector.has_table(name, schema=schema):
+            continue
+        table = sa.table(name, sa.column("version_num", sa.String), schema=schema)
+        found = {str(v) for v in conn.execute(sa.select(table.c.version_num)).scalars()}
+        ours = {v for v in found if v in _revisions() or v.startswith(f"{BRANCH}_")}
+        if ours:
+            return ours
+    return None
+
+
+def revision_problem(conn: Connection, tables: Tables) -> str | None:
+    """What is wrong with the database's revision for this delayq, in one line; None when it fits
+    (or when no version is recorded: tables made without Alembic are judged by their use)."""
+    found = database_revisions(conn, tables)
+    if found is None:
+        return None
+    heads = set(head_revisions())
+    newer = sorted(found - _revisions())
+    shown = ", ".join(sorted(found))
+    if newer:
+        return (
+            f"database at {shown}, newer than this delayq (its migrations end at {', '.join(sorted(heads))}): "
+            "upgrade delayq, or run the version that migrated it"
+        )
+    if not heads <= found:
+        return f"database at {shown}, this delayq needs {', '.join(sorted(heads))}: run `delayq migrate`"
+    return None
+
+
+_checked: weakref.WeakKeyDictionary[Engine, set[tuple[str | None, str]]] = weakref.WeakKeyDictionary()
+_checked_lock = threading.Lock()
+
+
+def check_revision(conn: Connection, tables: Tables) -> None:
+    """Refuse a database at another revision than this delayq's (``SchemaRevisionError``): on the first
+    use of each engine and table set, then never again (a success is remembered, a failure is not)."""
+    key = (tables.messages.schema, tables.messages.name)
+    engine = conn.engine
+    with _checked_lock:
+        if key in _checked.get(engine, ()):
+            return
+    problem = revision_problem(conn, tables)
+    if problem is not None:
+        raise SchemaRevisionError(problem)
+    with _checked_lock:
+        _checked.setdefault(engine, set()).add(key)
 
 
 def table_names(prefix: str = DEFAULT_PREFIX) -> set[str]:

@@ -5,7 +5,8 @@ The worker wraps every handler call in ``handling(delivery)``; the queue reports
 installed ``Observer`` hears of them. ``delivery_log`` is installed from the start: it logs on the
 ``delayq.delivery`` logger, every record with structured fields (``delayq_event``, ``delayq_queue``,
 ``delayq_key``, ``delayq_id``, ``delayq_attempt``, ``delayq_duration``; a failure's also ``delayq_error_type``
-and ``delayq_error``) that JSON log formatters pick up. A failure is one record, with its traceback.
+and ``delayq_error``) that JSON log formatters pick up. A failure is one record, with its traceback; a
+handler that raised ``Retry`` or ``DeadLetter`` asked for that outcome: one INFO record, without a traceback.
 """
 
 from __future__ import annotations
@@ -16,10 +17,39 @@ from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+from delayq.handler import DeadLetter, Retry
+
 if TYPE_CHECKING:
     from delayq.messages import Delivery
 
-__all__ = ["DeliveryLog", "Event", "Observer", "add", "count", "delivery_log", "handling", "offering", "remove"]
+__all__ = [
+    "DeliveryLog",
+    "Event",
+    "Observer",
+    "Outcome",
+    "add",
+    "count",
+    "delivery_log",
+    "handling",
+    "offering",
+    "outcome",
+    "remove",
+]
+
+Outcome = Literal["success", "failure", "retry", "dead_letter"]
+"""How a handler call ended: returned, raised, or asked for a retry or a dead letter."""
+
+
+def outcome(error: BaseException | None) -> Outcome:
+    """The outcome of a handler call that returned (``error`` None) or raised ``error``."""
+    if error is None:
+        return "success"
+    if isinstance(error, Retry):
+        return "retry"
+    if isinstance(error, DeadLetter):
+        return "dead_letter"
+    return "failure"
+
 
 Event = Literal["offered", "acked", "retried", "dead_lettered", "lock_lost", "overdue"]
 """A queue event that observers count."""
@@ -135,7 +165,8 @@ class DeliveryLog(Observer):
     """Logs each delivery's start, success and failure (with its traceback) on ``delayq.delivery``.
 
     The level of each is an attribute: ``delayq.observe.delivery_log.success_level = logging.DEBUG``.
-    Defaults: start DEBUG, success INFO, failure WARNING.
+    Defaults: start DEBUG, success INFO, failure WARNING, and INFO without a traceback for a handler
+    that raised ``Retry`` or ``DeadLetter`` (``requested_level``): it asked for that, nothing failed.
     """
 
     reads_database = False
@@ -147,11 +178,13 @@ class DeliveryLog(Observer):
         start_level: int = logging.DEBUG,
         success_level: int = logging.INFO,
         failure_level: int = logging.WARNING,
+        requested_level: int = logging.INFO,
     ) -> None:
         self.logger = logger or logging.getLogger("delayq.delivery")
         self.start_level = start_level
         self.success_level = success_level
         self.failure_level = failure_level
+        self.requested_level = requested_level
 
     def started(self, delivery: Delivery) -> object:
         if self.logger.isEnabledFor(self.start_level):
@@ -174,6 +207,20 @@ class DeliveryLog(Observer):
                     delivery.attempts,
                     duration,
                     extra=_fields("success", delivery, duration),
+                )
+            return
+        ended = outcome(error)
+        if ended != "failure":
+            if self.logger.isEnabledFor(self.requested_level):
+                self.logger.log(
+                    self.requested_level,
+                    "%s: attempt %d asked for %s in %.3fs: %s",
+                    delivery.label,
+                    delivery.attempts,
+                    "a retry" if ended == "retry" else "the dead letters",
+                    duration,
+                    error,
+                    extra=_fields(ended, delivery, duration, error),
                 )
         elif self.logger.isEnabledFor(self.failure_level):
             self.logger.log(

@@ -19,11 +19,17 @@ from contextvars import Token
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, cast
 
-from opentelemetry import context, propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
-
 from delayq import observe
+from delayq.errors import MissingExtraError, install_hint
+
+try:
+    from opentelemetry import context, propagate, trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TracerProvider
+except ImportError as exc:  # the module stays importable: enable() says what to install
+    _missing: ImportError | None = exc
+else:
+    _missing = None
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
@@ -104,6 +110,10 @@ _enabled: Tracing | None = None
 def enable(tracer_provider: TracerProvider | None = None) -> Tracing:
     """Trace offers and deliveries from now on (with the global tracer provider unless one is given)."""
     global _enabled
+    if _missing is not None:
+        raise MissingExtraError(
+            f"delayq.tracing needs opentelemetry-api ({_missing.name} is not installed): {install_hint('otel')}"
+        )
     disable()
     _enabled = Tracing(tracer_provider)
     observe.add(_enabled)

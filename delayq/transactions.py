@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -25,6 +26,7 @@ from sqlalchemy.util.concurrency import in_greenlet
 
 from delayq.dialects import Dialect, Mode, dialect_for
 from delayq.errors import SchemaMissingError, WrongApiError
+from delayq.migrations import check_revision
 from delayq.schema import Tables
 
 log = logging.getLogger("delayq")
@@ -103,6 +105,7 @@ class Runner:
         try:
             dialect_for(conn.engine).verify()
             self.dialect.prepare(conn.connection.driver_connection)
+            check_revision(conn, self.tables)
             return operation(conn, self.dialect)
         except DBAPIError as exc:
             self._raise_if_schema_missing(exc)
@@ -141,17 +144,29 @@ class Runner:
                 conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
             for sql in start.sql:
                 conn.exec_driver_sql(sql)
+            check_revision(conn, self.tables)  # once per engine and tables: the schema this delayq needs
             yield conn
             if start.commit:
                 conn.commit()
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:
         if self.dialect.is_missing_table(exc):
-            names = f"{self.tables.messages.name}, {self.tables.dead_letters.name}"
+            names = missing_tables(self.engine, self.tables) or f"{self.tables.messages.name}, ..."
             raise SchemaMissingError(
                 f"delayq's tables ({names}) do not exist in this database: run "
                 "`delayq migrate --url URL` (or `alembic upgrade heads` with delayq's migrations)"
             ) from exc
+
+
+def missing_tables(engine: Engine, tables: Tables) -> str:
+    """The names of delayq's tables the database lacks (the first few), or "" when that cannot be told."""
+    try:
+        with engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            missing = [t.name for t in tables.metadata.sorted_tables if not inspector.has_table(t.name, t.schema)]
+    except DBAPIError:
+        return ""
+    return ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
 
 
 def caller_connection(using: Connection | Session, owner: str = "DelayedQueue") -> Connection:

@@ -22,6 +22,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from delayq.clock import duration_ms, from_ms
+from delayq.engines import create_engine
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue, check_queue_name
@@ -148,7 +149,7 @@ def _offer_partition(
     after_chunk: Callable[[int, int, int], None] | None,
 ) -> Iterator[OfferCounts]:
     """On an executor: offer one partition's rows in chunks; yield its counts."""
-    engine = sa.create_engine(url, pool_size=1)  # one connection, reused by every chunk of the partition
+    engine = create_engine(url, pool_size=1)  # one connection, reused by every chunk of the partition
     context = TaskContext.get()
     where = (context.partitionId(), context.attemptNumber()) if context else (0, 0)
     try:
@@ -235,7 +236,7 @@ def read_messages(
     if queue is not None:
         check_queue_name(queue)
     table = make_tables(table_prefix).dead_letters if dead else make_tables(table_prefix).messages
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    engine = create_engine(url)
     try:
         with engine.connect() as conn:
             query = sa.select(sa.func.min(table.c.id), sa.func.max(table.c.id))
@@ -262,7 +263,7 @@ def _read_range(
     query = sa.select(t).where(t.c.id.between(*bounds)).order_by(t.c.id)
     if queue is not None:
         query = query.where(t.c.queue == queue)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    engine = create_engine(url)
     try:
         with engine.connect() as conn:
             for r in conn.execute(query).mappings():

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from delayq.dialects import dialect_class
+from delayq.engines import create_engine
 from delayq.errors import InvalidInputError, UnsupportedDatabaseError
 from delayq.queue import check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
@@ -155,7 +156,7 @@ class SourceOptions:
         Its pool keeps one connection, so a write's chunks share it: one connect per task, not per chunk
         (about 8 ms on PostgreSQL), and PostgreSQL keeps the statements psycopg prepared on it.
         """
-        return sa.create_engine(self.url, pool_size=1)
+        return create_engine(self.url, pool_size=1)
 
     @property
     def what(self) -> str:

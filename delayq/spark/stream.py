@@ -28,6 +28,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from delayq.dialects import dialect_for
+from delayq.engines import create_engine
 from delayq.errors import DelayqError
 from delayq.spark.options import SourceOptions
 from delayq.spark.read import LOG_SCHEMA, arrow_batches, fetch, log_query, read_heads, stored_names
@@ -74,7 +75,7 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _conn(self) -> sa.Connection:
         if self._engine is None:
-            self._engine = sa.create_engine(self.opts.url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+            self._engine = create_engine(self.opts.url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         return self._engine.connect()
 
     def _heads(self) -> tuple[Offsets, Offsets]:
