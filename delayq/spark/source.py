@@ -6,6 +6,9 @@ Register it once per session with ``delayq.spark.register(spark)``; the options 
 
 from __future__ import annotations
 
+import warnings
+
+import pyspark
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 from pyspark.sql.datasource import (
@@ -18,7 +21,7 @@ from pyspark.sql.datasource import (
 
 from delayq.errors import InvalidInputError
 from delayq.spark.options import SourceOptions
-from delayq.spark.read import DelayqReader, check_tables, schema_for
+from delayq.spark.read import DelayqReader, PushdownReader, check_tables, pushdown_supported, schema_for
 from delayq.spark.stream import TopicStreamReader
 from delayq.spark.write import DelayqStreamWriter, DelayqWriter, layout_for
 
@@ -39,6 +42,8 @@ class DelayqDataSource(DataSource):
     def reader(self, schema: T.StructType) -> DataSourceReader:
         opts = SourceOptions.parse(self.options)
         check_tables(opts)
+        if pushdown_supported(pyspark.__version__):
+            return PushdownReader(opts, schema)
         return DelayqReader(opts, schema)
 
     def streamReader(self, schema: T.StructType) -> DataSourceStreamReader:
@@ -65,8 +70,15 @@ class DelayqDataSource(DataSource):
 
 
 def register(spark: SparkSession) -> None:
-    """Make ``format("delayq")`` available in ``spark`` (and turn on Python filter pushdown, which it uses)."""
-    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    """Make ``format("delayq")`` available in ``spark``; see ``delayq.spark.register``."""
+    if pushdown_supported(pyspark.__version__):
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    else:
+        warnings.warn(
+            f"PySpark {pyspark.__version__} reuses a DataFrame's read plan across its queries: format delayq "
+            "pushes no filter down with it (Spark filters the rows it reads)",
+            stacklevel=3,
+        )
     spark.dataSource.register(DelayqDataSource)
 
 
