@@ -50,14 +50,26 @@ def test_a_query_without_filters_after_a_filtered_one_reads_every_row(
     assert r.where("key LIKE 'sp-001%'").count() == 100
     assert r.count() == 2000
     assert r.agg(F.min("key")).first()[0] == "sp-00000"  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_a_dataframe_read_again_sees_later_offers_and_states(
+    spark: SparkSession, backend: Backend, queue_name: str
+) -> None:
+    """The first plan's id ranges are open, and each task computes the state when it reads."""
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"sp-{i:05d}", {"i": i}, dt.timedelta(hours=1)) for i in range(2000)])
+    r = spark.read.format("delayq").option("url", backend.url).option("queue", queue_name).load()
     assert r.where(F.col("key").startswith("sp-0199")).count() == 10
+    assert r.count() == 2000
     q.offer_many([(f"sp-{i:05d}", {"i": i}, dt.timedelta(hours=1)) for i in range(2000, 2050)])
-    assert r.count() == 2050  # the first plan's id ranges are open: later offers are in them
+    assert r.count() == 2050
     assert r.agg(F.max("key")).first()[0] == "sp-02049"  # type: ignore[index]
     q.reschedule("sp-00007", dt.timedelta(0))
     assert [x["key"] for x in r.where("state = 'ready'").collect()] == ["sp-00007"]  # the state as of the read
 
 
+@pytest.mark.slow
 def test_a_topic_read_without_filters_after_a_filtered_one_reads_every_row(
     spark: SparkSession, backend: Backend
 ) -> None:
@@ -108,7 +120,7 @@ def _generate(rng: random.Random, columns: dict[str, list[Any]]) -> Filter:
         if kind == "prefix":
             return StringStartsWith((name,), rng.choice([value[: rng.randint(0, len(value))], value + " ", "a_", "a%"]))
         if kind == "in":
-            return In((name,), tuple(rng.sample(values, min(3, len(values))) + [value + " "]))
+            return In((name,), (*rng.sample(values, min(3, len(values))), value + " "))
         return EqualTo((name,), rng.choice([value, value + " ", value.upper()]))
     kind = rng.choice([EqualTo, GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual, In])
     if kind is In:
@@ -154,6 +166,7 @@ def _conjunction(filters: list[Filter]) -> Column:
     return out
 
 
+@pytest.mark.slow
 def test_every_pushed_filter_gives_the_rows_spark_gives_on_a_queue(
     spark: SparkSession, backend: Backend, queue_name: str
 ) -> None:
@@ -182,6 +195,7 @@ def test_every_pushed_filter_gives_the_rows_spark_gives_on_a_queue(
     _differential(spark, options, [r.asDict() for r in rows], columns, "id")
 
 
+@pytest.mark.slow
 def test_every_pushed_filter_gives_the_rows_spark_gives_on_a_topic(spark: SparkSession, backend: Backend) -> None:
     name = f"t-{uuid.uuid4().hex[:12]}"
     topic = Topic(backend.engine, name)

@@ -39,7 +39,7 @@ from pyspark.sql.datasource import (
 
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
-from delayq.spark.options import SourceOptions
+from delayq.spark.options import SourceOptions, reaching
 
 STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
@@ -52,7 +52,7 @@ MESSAGE_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
         T.StructField("state", T.StringType(), False),
         T.StructField("scheduled_at", T.TimestampType(), False),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
@@ -68,7 +68,7 @@ DEAD_LETTER_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
         T.StructField("attempts", T.IntegerType(), False),
@@ -85,7 +85,7 @@ LOG_SCHEMA = T.StructType(
         T.StructField("message_id", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
         T.StructField("published_at", T.TimestampType(), False),
     ]
 )
@@ -124,8 +124,8 @@ def translate(f: Any, columns: set[str]) -> Pushed | None:
     if name in _TIMES:
         return _time_filter(f, name)
     values = f.value if isinstance(f, In) else (getattr(f, "value", None),)
-    kind = str if name in _NAMES else int
-    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+    expected: type = str if name in _NAMES else int
+    if not all(isinstance(v, expected) and not isinstance(v, bool) for v in values):
         return None
     if name in _NAMES and isinstance(f, StringStartsWith):
         return (name, "prefix", f.value)
@@ -375,12 +375,15 @@ def read_heads(conn: sa.Connection, opts: SourceOptions) -> dict[int, tuple[int,
 
 
 def check_tables(opts: SourceOptions) -> None:
-    """Fail on the driver, before any task, when delayq's tables or the topic are missing."""
+    """Fail on the driver, before any task, when the database does not answer (one line), or delayq's
+    tables or the topic are missing."""
     engine = opts.engine()
     try:
         tables = opts.tables()
         needed = tables.topics.log if opts.topic is not None else tables.messages
-        if not sa.inspect(engine).has_table(needed.name, schema=opts.schema):
+        with reaching(opts.url):
+            found = sa.inspect(engine).has_table(needed.name, schema=opts.schema)
+        if not found:
             raise SchemaMissingError(f"table {needed.name} is missing at {engine.url!r}: run `delayq migrate`")
         if opts.topic is not None:
             with engine.connect() as conn:
