@@ -26,7 +26,7 @@ from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, make_tables
-from delayq.spark.options import check_url, reaching
+from delayq.spark.options import JSON_TEXT, check_url, reaching
 from delayq.spark.write import decoded_json, is_json_text
 
 _KEY, _PAYLOAD, _DUE_US = "__delayq_key", "__delayq_payload", "__delayq_due_us"
@@ -208,7 +208,7 @@ MESSAGE_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("scheduled_at", T.TimestampType(), True),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),

@@ -62,6 +62,11 @@ def check_url(url: str) -> None:
     dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
 
 
+JSON_TEXT = "delayq.json"
+"""Metadata key of the ``payload_json`` columns reads return: their values are JSON text, which a write of the
+column (renamed or not) stores as the value it encodes."""
+
+
 class UnreachableDatabaseError(DelayqError):
     """The database at a source's URL did not answer (refused, unknown host, bad credentials, timed out)."""
 

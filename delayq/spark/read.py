@@ -39,7 +39,7 @@ from pyspark.sql.datasource import (
 
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
-from delayq.spark.options import SourceOptions, reaching
+from delayq.spark.options import JSON_TEXT, SourceOptions, reaching
 
 STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
@@ -52,7 +52,7 @@ MESSAGE_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("state", T.StringType(), False),
         T.StructField("scheduled_at", T.TimestampType(), False),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
@@ -68,7 +68,7 @@ DEAD_LETTER_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
         T.StructField("attempts", T.IntegerType(), False),
@@ -85,7 +85,7 @@ LOG_SCHEMA = T.StructType(
         T.StructField("message_id", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True, {"delayq.json": True}),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("published_at", T.TimestampType(), False),
     ]
 )

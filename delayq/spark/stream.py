@@ -128,9 +128,10 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None  # Trigger.AvailableNow: the heads when the query started
         # Requeue and purge delete a dead-letter topic's rows: its offsets have gaps.
         self._gaps = opts.topic is not None and opts.topic.endswith(DLQ_SUFFIX)
+        self._committed: Offsets | None = None  # the group's watermarks as this reader last moved them
 
     def __getstate__(self) -> dict[str, Any]:  # the engine stays on the driver
-        return {"opts": self.opts, "_engine": None, "_target": self._target, "_gaps": self._gaps}
+        return {"opts": self.opts, "_engine": None, "_target": self._target, "_gaps": self._gaps, "_committed": None}
 
     def _conn(self) -> sa.Connection:
         if self._engine is None:
@@ -256,7 +257,7 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: Offsets) -> None:
         """With ``group``: move its watermarks up to ``end`` (never down), creating its rows at first."""
-        if self.opts.group is None:
+        if self.opts.group is None or end == self._committed:  # (asked again each trigger while idle)
             return
         with self._conn() as conn, conn.begin():
             stmts = self._stmts(conn)
@@ -277,6 +278,7 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     )
                     .values(acked_offset=upto, updated_at=now)
                 )
+        self._committed = dict(end)
 
     def stop(self) -> None:
         if self._engine is not None:

@@ -37,7 +37,7 @@ from pyspark.sql.datasource import (
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue
-from delayq.spark.options import SourceOptions
+from delayq.spark.options import JSON_TEXT, SourceOptions
 from delayq.topics.topic import Topic
 
 Item = TypeVar("Item")
@@ -114,10 +114,6 @@ def is_json_text(field: T.StructField) -> bool:
     return isinstance(field.dataType, T.StringType) and (
         field.name == "payload_json" or bool((field.metadata or {}).get(JSON_TEXT))
     )
-
-
-JSON_TEXT = "delayq.json"
-"""Metadata key of the ``payload_json`` columns a read returns: their values are JSON text."""
 
 
 def write_rows(opts: SourceOptions, layout: Layout, batches: Iterator[Any]) -> WriteCounts:
