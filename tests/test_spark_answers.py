@@ -52,7 +52,6 @@ def test_a_query_without_filters_after_a_filtered_one_reads_every_row(
     assert r.agg(F.min("key")).first()[0] == "sp-00000"  # type: ignore[index]
 
 
-@pytest.mark.slow
 def test_a_dataframe_read_again_sees_later_offers_and_states(
     spark: SparkSession, backend: Backend, queue_name: str
 ) -> None:
@@ -69,7 +68,6 @@ def test_a_dataframe_read_again_sees_later_offers_and_states(
     assert [x["key"] for x in r.where("state = 'ready'").collect()] == ["sp-00007"]  # the state as of the read
 
 
-@pytest.mark.slow
 def test_a_topic_read_without_filters_after_a_filtered_one_reads_every_row(
     spark: SparkSession, backend: Backend
 ) -> None:

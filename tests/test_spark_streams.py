@@ -76,7 +76,6 @@ def wait_for(check: Callable[[], bool], query: Any, seconds: float = 90) -> None
         time.sleep(0.2)
 
 
-@pytest.mark.slow  # (several micro-batches: 10-45 s on a loaded 2-core machine)
 def test_a_group_protects_a_new_query_before_its_first_batch_and_its_lag_reaches_zero(
     spark: SparkSession, backend: Backend, topic_name: str, tmp_path: Path
 ) -> None:
@@ -103,7 +102,6 @@ def test_a_group_protects_a_new_query_before_its_first_batch_and_its_lag_reaches
     assert topic.collect_garbage() == 90  # both groups are past everything now
 
 
-@pytest.mark.slow  # (several micro-batches: 10-45 s on a loaded 2-core machine)
 def test_a_batch_the_sink_failed_is_never_committed_to_the_group(
     spark: SparkSession, backend: Backend, topic_name: str, tmp_path: Path
 ) -> None:
@@ -131,7 +129,6 @@ def test_a_batch_the_sink_failed_is_never_committed_to_the_group(
     assert [p.watermark for p in group_lag(backend.engine, topic_name, "g")] == [30]
 
 
-@pytest.mark.slow  # (several micro-batches: 10-45 s on a loaded 2-core machine)
 def test_a_dead_letter_topic_with_requeued_and_purged_letters_streams_every_letter_left(
     spark: SparkSession, backend: Backend, topic_name: str, tmp_path: Path
 ) -> None:
@@ -163,7 +160,6 @@ def test_a_dead_letter_topic_with_requeued_and_purged_letters_streams_every_lett
     assert log.count() == 17
 
 
-@pytest.mark.slow  # (several micro-batches: 10-45 s on a loaded 2-core machine)
 def test_a_read_limit_below_the_busy_partitions_reaches_every_partition(
     spark: SparkSession, backend: Backend, topic_name: str, tmp_path: Path
 ) -> None:
