@@ -527,7 +527,13 @@ def test_the_example_runs_on_a_standalone_cluster(tmp_path: Path) -> None:
 
     home = os.path.dirname(pyspark.__file__)
     java = [os.path.join(home, "bin", "spark-class")]
-    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "SPARK_HOME": home,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYTHONPATH": str(EXAMPLE.parent.parent.parent),  # the executors import this checkout's delayq
+    }
     port = free_port()
     master = subprocess.Popen(
         [
