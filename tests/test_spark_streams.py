@@ -279,3 +279,28 @@ def test_a_job_run_by_a_venvs_python_without_it_on_path_runs_its_workers_there(t
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).where(m.c.queue == "venv")).scalar_one() == 4
     engine.dispose()
+
+
+def test_rows_collected_past_a_groups_watermarks_say_the_checkpoint_cannot_resume(
+    backend: Backend, topic_name: str
+) -> None:
+    """Row 2's message: with a group, collected rows mean the group's watermarks were moved past the query
+    (it no longer advises adding the group the query has). The reader driven directly."""
+    from delayq.spark.options import SourceOptions
+    from delayq.spark.stream import CollectedError, TopicStreamReader
+
+    topic = Topic(backend.engine, topic_name)
+    topic.create(partitions=1)
+    topic.publish_many([(f"k{i}", f"m{i}", {"n": i}) for i in range(10)])
+    reader = TopicStreamReader(SourceOptions.parse({"url": backend.url, "topic": topic_name, "group": "g"}))
+    assert reader.initialOffset() == {"0": 0}
+    assert [p.watermark for p in group_lag(backend.engine, topic_name, "g")] == [0]  # made before any batch
+    assert topic.collect_garbage() == 0
+    off = make_tables().topics.offsets
+    with backend.engine.begin() as conn:  # another consumer of the group moves it past the query
+        conn.execute(sa.update(off).where(off.c.topic == topic_name).values(acked_offset=4))
+    assert topic.collect_garbage() == 4
+    (part,) = reader.partitions({"0": 0}, {"0": 10})
+    with pytest.raises(CollectedError, match=r"offsets 1\.\.10 of partition 0 .* start the query on a new checkpoint"):
+        list(reader.read(part))
+    reader.stop()
