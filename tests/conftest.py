@@ -229,7 +229,16 @@ AIO_SYNC_ONLY = {
 }
 
 
-FULL_PROFILE_MODULES = {"test_chaos", "test_spark", "test_spark_source", "test_examples", "test_benchmarks"}
+FULL_PROFILE_MODULES = {
+    "test_chaos",
+    "test_spark",
+    "test_spark_answers",
+    "test_spark_cluster",
+    "test_spark_source",
+    "test_spark_streams",
+    "test_examples",
+    "test_benchmarks",
+}
 """Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
 as a subprocess, the benchmarks' smoke run. Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyspark
 import pytest
 import sqlalchemy as sa
 from conftest import Backend, count_rows
@@ -29,7 +30,7 @@ import delayq.spark
 from delayq import DelayedQueue, Topic
 from delayq.schema import make_tables
 from delayq.spark.options import SourceOptions
-from delayq.spark.read import MESSAGE_SCHEMA, DelayqReader, QueueSlice
+from delayq.spark.read import MESSAGE_SCHEMA, DelayqReader, PushdownReader, QueueSlice, pushdown_supported
 from delayq.spark.source import DelayqDataSource
 from delayq.spark.stream import CollectedError, TopicStreamReader, plan_limit
 from delayq.spark.write import layout_for, write_rows
@@ -120,7 +121,7 @@ def test_batch_write_offers_idempotently_then_reads_back_typed(
     assert read.select("key").distinct().count() == 200
     # (A filtered query last: Spark 4.3 reuses a DataFrame's last pushed filters in its next unfiltered
     # query, see docs/spark.md; load() again for each.)
-    row = read.where(F.col("key") == "order-0007").first()
+    row = read.where(F.col("key") == "order-0007").first()  # (and the rows read by the same DataFrame again)
     assert row is not None and row["payload_json"] == '{"n":7,"plan":"gold"}' and row["state"] == "scheduled"
 
     d = DelayedQueue(backend.engine, queue_name).try_poll()  # none is due: nothing to poll
@@ -154,11 +155,12 @@ def test_filters_are_pushed_down_and_only_matching_rows_are_read(
     )
     assert sorted(r["key"] for r in df.select("key").collect()) == [f"a/{i:03d}" for i in range(11, 21)]
     plan = df._jdf.queryExecution().executedPlan().toString()
-    assert " Filter " not in plan, plan  # Spark evaluates none of them: the database did
+    # PySpark 4.2/4.3 reuse a DataFrame's plan in its later queries: the reader pushes nothing there.
+    assert (" Filter " not in plan) == pushdown_supported(pyspark.__version__), plan
 
-    # The reader's plan: the same filters, in SQL, and the rows each input partition will read.
-    reader = DelayqDataSource(options).reader(make_schema_placeholder())
-    assert isinstance(reader, DelayqReader)
+    # The reader's plan where pushdown is on: the same filters, in SQL, and the rows each input partition reads.
+    assert isinstance(DelayqDataSource(options).reader(make_schema_placeholder()), DelayqReader)
+    reader = PushdownReader(SourceOptions.parse(options), MESSAGE_SCHEMA)
     kept = list(
         reader.pushFilters(
             [
@@ -292,8 +294,8 @@ def test_a_stream_stopped_mid_way_and_restarted_from_its_checkpoint_delivers_eac
     q = DelayedQueue(backend.engine, queue_name)
     msg = q.get("follow-up/order-00042")
     assert msg is not None and msg.payload["n"] == 42 and msg.scheduled_at > dt.datetime.now(dt.UTC)
-    # The group's watermarks follow the offsets Spark commits to the source, which it does for a batch when it
-    # plans the next one: the query's last batch (at most 40 rows) is not in them yet.
+    # The group's watermarks follow the batches the sink committed, the last one included (the source moves them
+    # as the next batch is planned, which AvailableNow does once more before it stops).
     off = make_tables().topics.offsets
     with backend.engine.connect() as conn:
         marks = conn.execute(
@@ -301,7 +303,7 @@ def test_a_stream_stopped_mid_way_and_restarted_from_its_checkpoint_delivers_eac
                 off.c.consumer_group == "spark-follow-ups", off.c.topic == topic_name
             )
         ).scalar_one()
-    assert 360 - 40 <= int(marks) <= 360
+    assert int(marks) == 360
 
 
 def test_a_replayed_streaming_write_into_a_topic_creates_nothing_twice(
@@ -362,7 +364,8 @@ def test_a_gap_in_the_log_fails_the_stream_read_wherever_it_falls(
 ) -> None:
     """Rows collected before a query without a group read them fail its batch (``CollectedError``, naming
     the first missing offset) rather than being skipped: at the start of a fetched chunk, inside one, or at
-    the end of the range. The reader driven directly, fetching chunks of 3 rows."""
+    the end of the range. The reader driven directly, fetching chunks of 3 rows. (A gap above the collected
+    offset, a dead letter requeued or purged, is stepped over: tests/test_spark_streams.py.)"""
     monkeypatch.setattr("delayq.spark.read.ARROW_BATCH", 3)
     topic = Topic(backend.engine, topic_name)
     topic.create(partitions=1)
@@ -372,9 +375,12 @@ def test_a_gap_in_the_log_fails_the_stream_read_wherever_it_falls(
     batches = list(reader.read(part))
     assert [b.num_rows for b in batches] == [3, 3, 3, 1]
     assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(1, 11))
-    log = make_tables().topics.log
-    with backend.engine.begin() as conn:
-        conn.execute(sa.delete(log).where(log.c.topic == topic_name, log.c.message_offset.in_(missing)))
+    topics = make_tables().topics
+    with backend.engine.begin() as conn:  # collected as garbage collection would: the rows and the mark
+        conn.execute(
+            sa.delete(topics.log).where(topics.log.c.topic == topic_name, topics.log.c.message_offset.in_(missing))
+        )
+        conn.execute(sa.update(topics.heads).where(topics.heads.c.topic == topic_name).values(collected=max(missing)))
     with pytest.raises(CollectedError, match=f"offsets {missing[0]}..10 of partition 0 "):
         list(reader.read(part))
     reader.stop()
@@ -514,13 +520,20 @@ def test_the_orders_pipeline_example_runs_and_resumes_from_its_checkpoint(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_the_example_runs_on_a_standalone_cluster(tmp_path: Path) -> None:
     """A master and a worker process of the installed pyspark on 127.0.0.1, instead of local[*]."""
     import pyspark
 
     home = os.path.dirname(pyspark.__file__)
     java = [os.path.join(home, "bin", "spark-class")]
-    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "SPARK_HOME": home,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYTHONPATH": str(EXAMPLE.parent.parent.parent),  # the executors import this checkout's delayq
+    }
     port = free_port()
     master = subprocess.Popen(
         [

@@ -27,7 +27,8 @@ from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, make_tables
-from delayq.spark.options import check_url
+from delayq.spark.options import JSON_TEXT, check_url, reaching
+from delayq.spark.write import decoded_json, is_json_text
 
 _KEY, _PAYLOAD, _DUE_US = "__delayq_key", "__delayq_payload", "__delayq_due_us"
 
@@ -65,8 +66,9 @@ def offer_dataframe(
 
     Args:
         key: the column holding each message's key (a non-null string of at most 200 characters).
-        payload: one column (its value is the payload; a struct becomes an object), or several columns
-            (packed as one JSON object by column name). Dates and timestamps become ISO 8601 strings,
+        payload: one column (its value is the payload; a struct becomes an object; JSON text when the
+            column is a read's ``payload_json``, by name or renamed), or several columns (packed as one
+            JSON object by column name). Dates and timestamps become ISO 8601 strings,
             decimals strings.
         at: a ``TimestampType`` column with each message's due time (an instant, whatever the session time
             zone), a fixed ``timedelta`` from now, or None for now. ``TIMESTAMP_NTZ`` has no time zone and is
@@ -133,7 +135,8 @@ def offer_dataframe(
             )
         raise InvalidTimeError(f"column {at!r} is null for key {found!r}")
 
-    settings = (url, queue, table_prefix, update, chunk_size, delay_ms, _after_chunk)
+    json_text = isinstance(payload, str) and is_json_text(fields[payload])
+    settings = (url, queue, table_prefix, update, chunk_size, delay_ms, json_text, _after_chunk)
     totals = rows.rdd.mapPartitions(lambda part: _offer_partition(part, *settings)).collect()
     return sum(totals, OfferCounts())
 
@@ -146,6 +149,7 @@ def _offer_partition(
     update: bool,
     chunk_size: int,
     delay_ms: int,
+    json_text: bool,
     after_chunk: Callable[[int, int, int], None] | None,
 ) -> Iterator[OfferCounts]:
     """On an executor: offer one partition's rows in chunks; yield its counts."""
@@ -174,7 +178,7 @@ def _offer_partition(
         for row in rows:
             due_us = row[2]
             at = dt.timedelta(milliseconds=delay_ms) if due_us is None else from_ms(due_us // 1000)
-            chunk.append((row[0], _jsonable(row[1]), at))
+            chunk.append((row[0], decoded_json(row[1]) if json_text else _jsonable(row[1]), at))
             if len(chunk) >= chunk_size:
                 flush()
         if chunk:
@@ -205,7 +209,7 @@ MESSAGE_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("scheduled_at", T.TimestampType(), True),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
@@ -238,7 +242,7 @@ def read_messages(
     table = make_tables(table_prefix).dead_letters if dead else make_tables(table_prefix).messages
     engine = create_engine(url)
     try:
-        with engine.connect() as conn:
+        with reaching(url), engine.connect() as conn:
             query = sa.select(sa.func.min(table.c.id), sa.func.max(table.c.id))
             if queue is not None:
                 query = query.where(table.c.queue == queue)

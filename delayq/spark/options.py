@@ -22,14 +22,15 @@ Every option is a string (Spark passes them so); names are case-insensitive.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
 from delayq.dialects import dialect_class
 from delayq.engines import create_engine
-from delayq.errors import InvalidInputError, UnsupportedDatabaseError
+from delayq.errors import DelayqError, InvalidInputError, UnsupportedDatabaseError
 from delayq.queue import check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
 from delayq.topics.names import check_group, check_topic_stored
@@ -60,6 +61,28 @@ def check_url(url: str) -> None:
     except sa.exc.ArgumentError as exc:
         raise UnsupportedDatabaseError(f"bad database URL {url!r}: {exc}") from None
     dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
+
+
+JSON_TEXT = "delayq.json"
+"""Metadata key of the ``payload_json`` columns reads return: their values are JSON text, which a write of the
+column (renamed or not) stores as the value it encodes."""
+
+
+class UnreachableDatabaseError(DelayqError):
+    """The database at a source's URL did not answer (refused, unknown host, bad credentials, timed out)."""
+
+
+@contextlib.contextmanager
+def reaching(url: str) -> Iterator[None]:
+    """Turn a driver's failure to connect into one line (Spark prints an error's whole traceback)."""
+    try:
+        yield
+    except sa.exc.DBAPIError as exc:
+        if not exc.connection_invalidated and exc.statement is not None:
+            raise
+        cause = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig).__name__
+        shown = sa.engine.make_url(url).render_as_string(hide_password=True)
+        raise UnreachableDatabaseError(f"cannot reach the database at {shown}: {cause}") from None
 
 
 def _bool(options: Mapping[str, str], name: str) -> bool:

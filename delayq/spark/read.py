@@ -1,11 +1,17 @@
 """Batch reads of the ``delayq`` data source: a queue's messages or dead letters, a topic's log.
 
-Pushed-down filters become SQL: Spark hands ``pushFilters`` the filters of a query, the reader keeps those
-it can translate (``Pushed``, plain tuples, so the reader stays picklable) and returns the others for Spark
-to evaluate. Planning runs one query with the pushed filters (row count and id bounds, or the topic's
-heads) and splits the matching rows into input partitions; each task reads its slice with the same
-filters, so only matching rows leave the database. ``DelayqReader.partitions()`` shows the plan: each
-partition carries its bounds, the filters and the number of rows it will read.
+A plan must stay right for every query Spark runs with it: PySpark 4.2 and 4.3 keep the first read plan of
+a DataFrame (its input partitions and the reader, with the filters pushed to it) and reuse it for every
+later query on that DataFrame that pushes no filter of its own. So the input partitions hold nothing that
+ages: a queue's id ranges are open at both ends (the first has no lower bound, the last no upper one),
+a topic's are sets of its partitions, read up to the heads committed when the task starts, and ``state``
+is computed from the database's clock when each task reads. On those versions the reader also pushes no
+filter (``DelayqReader``): Spark evaluates every filter itself, and a reused plan reads every row.
+
+Where a planner keeps each query's pushdown to itself (``pushdown_supported``), ``PushdownReader`` turns
+the filters it can into SQL (``Pushed``, plain tuples, so the reader stays picklable) and returns the
+others for Spark to evaluate; planning counts the matching rows and each task reads its slice with the
+same filters. ``partitions()`` shows the plan: each partition carries its bounds and its planned count.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pyspark.sql.datasource import (
 
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
-from delayq.spark.options import SourceOptions
+from delayq.spark.options import JSON_TEXT, SourceOptions, reaching
 
 STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
@@ -46,7 +52,7 @@ MESSAGE_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("state", T.StringType(), False),
         T.StructField("scheduled_at", T.TimestampType(), False),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
@@ -62,7 +68,7 @@ DEAD_LETTER_SCHEMA = T.StructType(
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
         T.StructField("attempts", T.IntegerType(), False),
@@ -79,7 +85,7 @@ LOG_SCHEMA = T.StructType(
         T.StructField("message_id", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
         T.StructField("published_at", T.TimestampType(), False),
     ]
 )
@@ -117,6 +123,10 @@ def translate(f: Any, columns: set[str]) -> Pushed | None:
         return (name, "in", [str(v) for v in values])
     if name in _TIMES:
         return _time_filter(f, name)
+    values = f.value if isinstance(f, In) else (getattr(f, "value", None),)
+    expected: type = str if name in _NAMES else int
+    if not all(isinstance(v, expected) and not isinstance(v, bool) for v in values):
+        return None
     if name in _NAMES and isinstance(f, StringStartsWith):
         return (name, "prefix", f.value)
     if (name in _NAMES or name in _NUMBERS) and isinstance(f, EqualTo):
@@ -156,6 +166,11 @@ def _like_prefix(prefix: str) -> str:
     return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
+def _same_name(col: sa.ColumnElement[Any], value: str) -> sa.ColumnElement[bool]:
+    """``col = value``, exactly: MariaDB's binary collations pad with spaces ('a' = 'a '), LIKE does not."""
+    return sa.and_(col == value, col.like(_like_prefix(value)[:-1], escape="\\"))
+
+
 def condition(table: sa.Table, pushed: Pushed, now: int | None) -> sa.ColumnElement[bool]:
     """The WHERE clause of one pushed filter (``now`` is the plan's time, for ``state``)."""
     name, op, value = pushed
@@ -165,6 +180,8 @@ def condition(table: sa.Table, pushed: Pushed, now: int | None) -> sa.ColumnElem
         each = {"ready": due, "scheduled": sa.and_(~due, ~locked), "in_flight": sa.and_(~due, locked)}
         return sa.or_(sa.false(), *[each[v] for v in value if v in each])
     col: sa.ColumnElement[Any] = table.c[_COLUMN.get(name, name)]
+    if name in _NAMES and op in ("eq", "in"):
+        return sa.or_(sa.false(), *[_same_name(col, v) for v in (value if op == "in" else [value]) if v is not None])
     if op == "eq":
         equal: sa.ColumnElement[bool] = col == value
         return equal
@@ -183,44 +200,48 @@ def condition(table: sa.Table, pushed: Pushed, now: int | None) -> sa.ColumnElem
 
 @dataclass(frozen=True)
 class QueueSlice:
-    """One input partition of a queue read: ids ``low..high`` and how many of them match the filters."""
+    """One input partition of a queue read: ids ``low..high`` (None: unbounded on that side) and how many
+    rows of it matched when the read was planned (later queries on the same plan may find more)."""
 
-    low: int
-    high: int
+    low: int | None
+    high: int | None
     rows: int
 
 
 @dataclass(frozen=True)
 class LogSlice:
-    """One input partition of a topic read: per topic partition, offsets in ``(after, upto]``."""
+    """One input partition of a topic read: topic partitions, each read up to the head committed when the
+    task starts, and how many rows they held when the read was planned."""
 
-    ranges: tuple[tuple[int, int, int], ...]
+    partitions: tuple[int, ...]
     rows: int
 
 
 class DelayqPartition(InputPartition):
-    """An input partition: the slice and what every task of the read shares."""
+    """An input partition: the slice and the filters every task of the read applies."""
 
-    def __init__(self, part: QueueSlice | LogSlice, pushed: tuple[Pushed, ...], now: int | None) -> None:
+    def __init__(self, part: QueueSlice | LogSlice, pushed: tuple[Pushed, ...]) -> None:
         super().__init__(part)
-        self.pushed, self.now = pushed, now
+        self.pushed = pushed
+
+
+def pushdown_supported(version: str) -> bool:
+    """Whether this PySpark's planner keeps each query's pushed filters to that query.
+
+    4.2 and 4.3 store the read plan made while pushing a query's filters on the DataFrame's relation and
+    reuse it for a later query on the same DataFrame that pushes no filter: that query would read the
+    earlier query's rows only. No released version is known to scope it (pyproject.toml allows <4.4)."""
+    del version
+    return False
 
 
 class DelayqReader(DataSourceReader):
-    """A batch read; see the module's docstring."""
+    """A batch read that pushes no filter: Spark evaluates them all (see the module's docstring)."""
 
     def __init__(self, opts: SourceOptions, schema: T.StructType) -> None:
         self.opts = opts
         self.columns = {f.name for f in schema_for(opts).fields}
         self.pushed: list[Pushed] = []
-
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        for f in filters:
-            sql = translate(f, self.columns)
-            if sql is None:
-                yield f
-            else:
-                self.pushed.append(sql)
 
     def partitions(self) -> Sequence[InputPartition]:
         engine = self.opts.engine()
@@ -228,7 +249,7 @@ class DelayqReader(DataSourceReader):
             with engine.connect() as conn:
                 now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
                 if self.opts.topic is not None:
-                    return self._log_partitions(conn, now)
+                    return self._log_partitions(conn)
                 return self._queue_partitions(conn, now)
         finally:
             engine.dispose()
@@ -236,11 +257,12 @@ class DelayqReader(DataSourceReader):
     def _queue_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
         t = self._table()
         where = [t.c.queue == self.opts.queue, *(condition(t, p, now) for p in self.pushed)]
+        pushed = tuple(self.pushed)
         low, high, rows = conn.execute(
             sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(*where)
         ).one()
         if not rows:
-            return [DelayqPartition(QueueSlice(1, 0, 0), (), now)]  # nothing to read (Spark wants a partition)
+            return [DelayqPartition(QueueSlice(None, None, 0), pushed)]  # (rows offered later are read too)
         slices = max(1, min(self.opts.partitions or 4, rows))
         step = max(1, -(-(high - low + 1) // slices))
         bounds = [(start, min(high, start + step - 1)) for start in range(low, high + 1, step)]
@@ -249,26 +271,36 @@ class DelayqReader(DataSourceReader):
             int(conn.execute(sa.select(sa.func.count()).where(*where, t.c.id.between(lo, hi))).scalar_one())
             for lo, hi in bounds
         ]
-        pushed = tuple(self.pushed)
+        kept = [(lo, hi, n) for (lo, hi), n in zip(bounds, per, strict=True) if n]
+        # Open at both ends: ids below the first or above the last, there by the time a task runs, are read.
+        edges = [lo for lo, _, _ in kept[1:]]
         return [
-            DelayqPartition(QueueSlice(lo, hi, n), pushed, now) for (lo, hi), n in zip(bounds, per, strict=True) if n
+            DelayqPartition(QueueSlice(None if i == 0 else lo, None if i == len(kept) - 1 else edges[i] - 1, n), pushed)
+            for i, (lo, _, n) in enumerate(kept)
         ]
 
-    def _log_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
+    def _log_partitions(self, conn: sa.Connection) -> list[InputPartition]:
         assert self.opts.topic is not None
         heads = read_heads(conn, self.opts)
-        ranges = [(p, collected, head) for p, (head, collected) in sorted(heads.items()) if head > collected]
+        parts = sorted(heads)
         for name, op, value in self.pushed:  # a filter on the partition drops whole partitions from the plan
             if name == "partition":
                 keep = {value} if op == "eq" else set(value) if op == "in" else None
                 if keep is not None:
-                    ranges = [r for r in ranges if r[0] in keep]
-        if not ranges:
-            return [DelayqPartition(LogSlice((), 0), (), now)]
-        slices = max(1, min(self.opts.partitions or 4, len(ranges)))
-        groups = [tuple(ranges[i::slices]) for i in range(slices)]
+                    parts = [p for p in parts if p in keep]
         pushed = tuple(self.pushed)
-        return [DelayqPartition(LogSlice(g, sum(h - a for _, a, h in g)), pushed, now) for g in groups if g]
+        if not parts:
+            return [DelayqPartition(LogSlice((), 0), pushed)]
+        log = self._table()
+        counted = conn.execute(  # rows, not head minus collected: a dead-letter topic has gaps
+            sa.select(log.c.partition, sa.func.count())
+            .where(log.c.topic == self.opts.topic, log.c.partition.in_(parts))
+            .group_by(log.c.partition)
+        )
+        rows = {int(p): int(n) for p, n in counted}
+        slices = max(1, min(self.opts.partitions or 4, len(parts)))
+        groups = [tuple(parts[i::slices]) for i in range(slices)]
+        return [DelayqPartition(LogSlice(g, sum(rows.get(p, 0) for p in g)), pushed) for g in groups if g]
 
     def _table(self) -> sa.Table:
         tables = self.opts.tables()
@@ -277,7 +309,7 @@ class DelayqReader(DataSourceReader):
         return tables.dead_letters if self.opts.dead else tables.messages
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        """Arrow record batches of the slice's rows."""
+        """Arrow record batches of the slice's rows, as of the database's clock and heads now."""
         assert isinstance(partition, DelayqPartition)
         t = self._table()
         part = partition.value
@@ -285,23 +317,45 @@ class DelayqReader(DataSourceReader):
         engine = self.opts.engine()
         try:
             with engine.connect() as conn:
-                filters = [condition(t, p, partition.now) for p in partition.pushed]
+                now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
+                filters = [condition(t, p, now) for p in partition.pushed]
                 if isinstance(part, QueueSlice):
+                    ids = [
+                        *([] if part.low is None else [t.c.id >= part.low]),
+                        *([] if part.high is None else [t.c.id <= part.high]),
+                    ]
                     query = (
                         sa.select(*stored_columns(t, schema))
-                        .where(t.c.queue == self.opts.queue, t.c.id.between(part.low, part.high), *filters)
+                        .where(t.c.queue == self.opts.queue, *ids, *filters)
                         .order_by(t.c.id)
                     )
                     with fetch(conn, query) as chunks:
-                        yield from arrow_batches(chunks, schema, partition.now)
+                        yield from arrow_batches(chunks, schema, now)
                     return
                 assert self.opts.topic is not None
-                for p, after, upto in part.ranges:
-                    query = log_query(t, self.opts.topic, p, after, upto).where(*filters)
+                if not part.partitions:
+                    return
+                heads = read_heads(conn, self.opts)
+                for p in part.partitions:
+                    head, collected = heads[p]
+                    query = log_query(t, self.opts.topic, p, collected, head).where(*filters)
                     with fetch(conn, query) as chunks:
                         yield from arrow_batches(chunks, schema)
         finally:
             engine.dispose()
+
+
+class PushdownReader(DelayqReader):
+    """A batch read that turns the filters it can into SQL (only where ``pushdown_supported``)."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        self.pushed = []  # this query's filters only
+        for f in filters:
+            sql = translate(f, self.columns)
+            if sql is None:
+                yield f
+            else:
+                self.pushed.append(sql)
 
 
 def read_heads(conn: sa.Connection, opts: SourceOptions) -> dict[int, tuple[int, int]]:
@@ -321,12 +375,15 @@ def read_heads(conn: sa.Connection, opts: SourceOptions) -> dict[int, tuple[int,
 
 
 def check_tables(opts: SourceOptions) -> None:
-    """Fail on the driver, before any task, when delayq's tables or the topic are missing."""
+    """Fail on the driver, before any task, when the database does not answer (one line), or delayq's
+    tables or the topic are missing."""
     engine = opts.engine()
     try:
         tables = opts.tables()
         needed = tables.topics.log if opts.topic is not None else tables.messages
-        if not sa.inspect(engine).has_table(needed.name, schema=opts.schema):
+        with reaching(opts.url):
+            found = sa.inspect(engine).has_table(needed.name, schema=opts.schema)
+        if not found:
             raise SchemaMissingError(f"table {needed.name} is missing at {engine.url!r}: run `delayq migrate`")
         if opts.topic is not None:
             with engine.connect() as conn:

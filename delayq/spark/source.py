@@ -6,6 +6,14 @@ Register it once per session with ``delayq.spark.register(spark)``; the options 
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pyspark
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 from pyspark.sql.datasource import (
@@ -17,8 +25,8 @@ from pyspark.sql.datasource import (
 )
 
 from delayq.errors import InvalidInputError
-from delayq.spark.options import SourceOptions
-from delayq.spark.read import DelayqReader, check_tables, schema_for
+from delayq.spark.options import SourceOptions, UnreachableDatabaseError
+from delayq.spark.read import DelayqReader, PushdownReader, check_tables, pushdown_supported, schema_for
 from delayq.spark.stream import TopicStreamReader
 from delayq.spark.write import DelayqStreamWriter, DelayqWriter, layout_for
 
@@ -38,14 +46,16 @@ class DelayqDataSource(DataSource):
 
     def reader(self, schema: T.StructType) -> DataSourceReader:
         opts = SourceOptions.parse(self.options)
-        check_tables(opts)
+        _checked(opts)
+        if pushdown_supported(pyspark.__version__):
+            return PushdownReader(opts, schema)
         return DelayqReader(opts, schema)
 
     def streamReader(self, schema: T.StructType) -> DataSourceStreamReader:
         opts = SourceOptions.parse(self.options)
         if opts.topic is None:
             raise InvalidInputError("a streaming read needs the option 'topic' (a queue is read by workers)")
-        check_tables(opts)
+        _checked(opts)
         return TopicStreamReader(opts)
 
     def writer(self, schema: T.StructType, overwrite: bool) -> DataSourceWriter:
@@ -60,14 +70,51 @@ class DelayqDataSource(DataSource):
             raise InvalidInputError("format delayq appends (offers, publishes): use mode('append')")
         if opts.dead:
             raise InvalidInputError("dead letters are read, not written: drop the option 'dead'")
-        check_tables(opts)
+        _checked(opts)
         return opts
 
 
+def _checked(opts: SourceOptions) -> None:
+    """``check_tables``, its failure to connect raised afresh here: Spark shows the traceback, now two lines."""
+    try:
+        check_tables(opts)
+    except UnreachableDatabaseError as exc:
+        raise UnreachableDatabaseError(str(exc)) from None
+
+
 def register(spark: SparkSession) -> None:
-    """Make ``format("delayq")`` available in ``spark`` (and turn on Python filter pushdown, which it uses)."""
-    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    """Make ``format("delayq")`` available in ``spark``; see ``delayq.spark.register``."""
+    if pushdown_supported(pyspark.__version__):
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    else:
+        warnings.warn(
+            f"PySpark {pyspark.__version__} reuses a DataFrame's read plan across its queries: format delayq "
+            "pushes no filter down with it (Spark filters the rows it reads)",
+            stacklevel=3,
+        )
+    workers_python(spark)
     spark.dataSource.register(DelayqDataSource)
+
+
+def workers_python(spark: SparkSession) -> None:
+    """On a local master, make Spark's Python workers run this interpreter when the one they would run
+    cannot import delayq: PySpark starts ``python3`` from PATH unless ``PYSPARK_PYTHON`` says otherwise, so
+    a script run as ``venv/bin/python job.py`` without the venv on PATH failed in every task with
+    ``No module named 'delayq'``. A Python chosen by the user is kept; on a cluster, set ``PYSPARK_PYTHON``."""
+    sc = spark.sparkContext
+    if os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python") or sc.pythonExec != "python3":
+        return
+    found = shutil.which("python3")
+    if found is not None:
+        check = [found, "-c", "import delayq, pyarrow"]
+        if subprocess.run(check, capture_output=True, timeout=60, check=False).returncode == 0:
+            return
+    if not str(sc.master).startswith("local"):
+        return
+    logging.getLogger("delayq.spark").info(
+        "delayq: Spark's Python workers run %s (%s cannot import delayq)", sys.executable, found or "python3"
+    )
+    sc.pythonExec = sys.executable
 
 
 __all__ = ["FORMAT", "DelayqDataSource", "layout_for", "register"]

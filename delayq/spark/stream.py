@@ -32,7 +32,8 @@ from delayq.engines import create_engine
 from delayq.errors import DelayqError
 from delayq.spark.options import SourceOptions
 from delayq.spark.read import LOG_SCHEMA, arrow_batches, fetch, log_query, read_heads, stored_names
-from delayq.topics.statements import statements_for
+from delayq.topics.names import DLQ_SUFFIX
+from delayq.topics.statements import TopicStatements, statements_for
 
 Offsets = dict[str, int]
 _OFFSET = stored_names(LOG_SCHEMA).index("offset")  # in a row of log_query
@@ -42,23 +43,80 @@ class CollectedError(DelayqError):
     """Rows a streaming query had not read were garbage-collected from the log."""
 
 
-def plan_limit(start: Offsets, heads: Offsets, max_rows: int) -> Offsets:
-    """End offsets taking at most ``max_rows`` rows, shared fairly between the partitions with rows."""
-    end = dict(start)
+def plan_limit(start: Offsets, heads: Offsets, max_rows: int, rows: Offsets | None = None) -> Offsets:
+    """End offsets taking at most ``max_rows`` rows, shared fairly between the partitions with rows.
+
+    ``rows``: how many rows each partition holds after its start, when that is not head minus start (a
+    dead-letter topic has gaps); the ends are then counts, for ``ends_after`` to turn into offsets. The
+    partitions are served in turn, from one that moves with the offsets read so far, so a limit below
+    the number of busy partitions reaches each of them in later batches rather than the same few."""
+    avail = {p: heads[p] - start.get(p, 0) for p in heads} if rows is None else dict(rows)
+    taken = dict.fromkeys(heads, 0)
     left = max_rows
-    waiting = sorted(p for p in heads if heads[p] > start.get(p, 0))
+    order = sorted(heads, key=int)
+    turn = sum(start.values()) % len(order) if order else 0
+    waiting = [p for p in order[turn:] + order[:turn] if avail.get(p, 0) > 0]
     while left > 0 and waiting:
         share = max(1, left // len(waiting))
         still = []
         for p in waiting:
-            take = min(share, heads[p] - end[p], left)
-            end[p] += take
+            take = min(share, avail[p] - taken[p], left)
+            taken[p] += take
             left -= take
-            if end[p] < heads[p]:
+            if taken[p] < avail[p]:
                 still.append(p)
             if left == 0:
                 break
         waiting = still
+    if rows is not None:
+        return taken
+    return {p: start.get(p, 0) + taken[p] for p in heads}
+
+
+def ends_after(conn: sa.Connection, opts: SourceOptions, start: Offsets, heads: Offsets, max_rows: int) -> Offsets:
+    """``plan_limit`` where offsets have gaps: the rows each partition holds after its start are counted,
+    and a partition that takes ``k`` of them ends at the offset of its ``k``-th."""
+    log = opts.tables().topics.log
+    busy = [p for p in heads if heads[p] > start.get(p, 0)]
+    counted = (
+        conn.execute(
+            sa.select(log.c.partition, sa.func.count())
+            .where(
+                log.c.topic == opts.topic,
+                sa.or_(
+                    *(
+                        sa.and_(
+                            log.c.partition == int(p),
+                            log.c.message_offset > start.get(p, 0),
+                            log.c.message_offset <= heads[p],
+                        )
+                        for p in busy
+                    )
+                ),
+            )
+            .group_by(log.c.partition)
+        ).all()
+        if busy
+        else []
+    )
+    rows = {str(p): int(n) for p, n in counted}
+    taken = plan_limit(start, heads, max_rows, {p: rows.get(p, 0) for p in heads})
+    end = {p: start.get(p, 0) for p in heads}
+    for p, k in taken.items():
+        if k == 0:
+            continue
+        if k == rows[p]:
+            end[p] = heads[p]  # (past any gap at the end)
+            continue
+        end[p] = int(
+            conn.execute(
+                sa.select(log.c.message_offset)
+                .where(log.c.topic == opts.topic, log.c.partition == int(p), log.c.message_offset > start.get(p, 0))
+                .order_by(log.c.message_offset)
+                .limit(1)
+                .offset(k - 1)
+            ).scalar_one()
+        )
     return end
 
 
@@ -69,9 +127,12 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.opts = opts
         self._engine: sa.Engine | None = None
         self._target: Offsets | None = None  # Trigger.AvailableNow: the heads when the query started
+        # Requeue and purge delete a dead-letter topic's rows: its offsets have gaps.
+        self._gaps = opts.topic is not None and opts.topic.endswith(DLQ_SUFFIX)
+        self._committed: Offsets | None = None  # the group's watermarks as this reader last moved them
 
     def __getstate__(self) -> dict[str, Any]:  # the engine stays on the driver
-        return {"opts": self.opts, "_engine": None, "_target": self._target}
+        return {"opts": self.opts, "_engine": None, "_target": self._target, "_gaps": self._gaps, "_committed": None}
 
     def _conn(self) -> sa.Connection:
         if self._engine is None:
@@ -84,20 +145,36 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {str(p): h for p, (h, _) in heads.items()}, {str(p): c for p, (_, c) in heads.items()}
 
     def initialOffset(self) -> Offsets:
-        heads, collected = self._heads()
-        if self.opts.starting_offsets == "latest":
-            return heads
-        if self.opts.starting_offsets == "group":
-            with self._conn() as conn:
+        """Where a new query starts; with ``group``, the group's rows are made there first (if it has none),
+        in the transaction that holds the topic row shared (as a join does), so collection keeps what it will read."""
+        if self.opts.group is None:
+            heads, collected = self._heads()
+            return heads if self.opts.starting_offsets == "latest" else collected
+        with self._conn() as conn, conn.begin():
+            stmts = self._stmts(conn)
+            g = {"group": self.opts.group, "topic_name": self.opts.topic}
+            conn.execute(stmts.lock_topic_shared, g).all()  # ordered with garbage collection, as a join is
+            locked = conn.execute(stmts.heads_of_topic, g).all()
+            conn.execute(stmts.forget_orphan_states, g)  # a group created again inherits no states
+            start = {
+                str(h.partition): int(h.head if self.opts.starting_offsets == "latest" else h.collected) for h in locked
+            }
+            now = int(conn.execute(stmts.now).scalar_one())
+            conn.execute(
+                stmts.create_offset, [{**g, "part": int(p), "acked": v, "now_v": now} for p, v in start.items()]
+            )
+            if self.opts.starting_offsets == "group":
                 off = self.opts.tables().topics.offsets
                 rows = conn.execute(
                     sa.select(off.c.partition, off.c.acked_offset).where(
                         off.c.consumer_group == self.opts.group, off.c.topic == self.opts.topic
                     )
                 )
-                marks = {str(r.partition): int(r.acked_offset) for r in rows}
-            return {p: marks.get(p, collected[p]) for p in heads}
-        return collected
+                start |= {str(r.partition): int(r.acked_offset) for r in rows if str(r.partition) in start}
+        return start
+
+    def _stmts(self, conn: sa.Connection) -> TopicStatements:
+        return statements_for(dialect_for(conn.engine), self.opts.table_prefix, self.opts.schema, False)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_rows_per_trigger is None:
@@ -108,10 +185,19 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._heads()[0]
 
     def latestOffset(self, start: Offsets, limit: ReadLimit) -> Offsets:
+        """The next batch's end. Spark runs one batch at a time and asks for the next only once the last
+        one is in the sink and in the checkpoint's commits: ``start`` is committed, so with ``group`` the
+        watermarks move to it here (Spark's own ``commit`` comes only with the batch after, which for a
+        stream that has caught up is never: its lag would show the last batch forever)."""
+        if self.opts.group is not None:
+            self.commit(start)
         heads = self._target if self._target is not None else self._heads()[0]
-        if isinstance(limit, ReadMaxRows):
+        if not isinstance(limit, ReadMaxRows):
+            return {p: max(heads[p], start.get(p, 0)) for p in heads}
+        if not self._gaps:
             return plan_limit(start, heads, limit.max_rows)
-        return {p: max(heads[p], start.get(p, 0)) for p in heads}
+        with self._conn() as conn:  # a dead-letter topic: rows, not offsets, count
+            return ends_after(conn, self.opts, start, heads, limit.max_rows)
 
     def reportLatestOffset(self) -> Offsets | None:
         return self._heads()[0]
@@ -128,42 +214,61 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         engine = self.opts.engine()
         try:
             with engine.connect() as conn, fetch(conn, query) as chunks:
-                yield from arrow_batches(self._contiguous(chunks, part, after, upto), LOG_SCHEMA)
+                yield from arrow_batches(self._contiguous(conn, chunks, part, after, upto), LOG_SCHEMA)
         finally:
             engine.dispose()
 
     def _contiguous(
-        self, chunks: Iterable[Sequence[Sequence[Any]]], part: int, after: int, upto: int
+        self, conn: sa.Connection, chunks: Iterable[Sequence[Sequence[Any]]], part: int, after: int, upto: int
     ) -> Iterator[Sequence[Sequence[Any]]]:
-        """The rows, checked to be every offset in ``(after, upto]``: a gap means they were collected.
+        """The rows, checked for offsets of ``(after, upto]`` that are missing: collected ones fail the read.
 
         Offsets ascend strictly (the primary key, in order), so a chunk whose first and last offsets are
-        the next expected ones holds every offset in between."""
-        expected = after + 1
+        the next expected ones holds every offset in between. A gap above the partition's collected offset
+        is a dead letter requeued or purged (topics.md: readers step over them), and is stepped over; one
+        at or below it was garbage-collected before the query read it."""
+        expected, missing = after + 1, None
         for rows in chunks:
-            offsets = (rows[0][_OFFSET], rows[-1][_OFFSET])
-            if offsets != (expected, expected + len(rows) - 1):
-                expected = next(expected + i for i, r in enumerate(rows) if r[_OFFSET] != expected + i)
-                break
-            expected += len(rows)
+            if (rows[0][_OFFSET], rows[-1][_OFFSET]) != (expected, expected + len(rows) - 1) and missing is None:
+                missing = next(expected + i for i, r in enumerate(rows) if r[_OFFSET] != expected + i)
+            expected = rows[-1][_OFFSET] + 1
             yield rows
-        if expected != upto + 1:
-            raise CollectedError(
-                f"offsets {expected}..{upto} of partition {part} of topic {self.opts.topic!r} were "
-                "garbage-collected before this query read them: give the query a consumer group "
+        if missing is None and expected != upto + 1:
+            missing = expected
+        if missing is None:
+            return
+        h = self.opts.tables().topics.heads
+        collected = conn.execute(
+            sa.select(h.c.collected).where(h.c.topic == self.opts.topic, h.c.partition == part)
+        ).scalar_one()
+        if missing <= int(collected):
+            raise CollectedError(self._collected_message(missing, upto, part))
+
+    def _collected_message(self, missing: int, upto: int, part: int) -> str:
+        where = f"offsets {missing}..{upto} of partition {part} of topic {self.opts.topic!r}"
+        if self.opts.group is None:
+            return (
+                f"{where} were garbage-collected before this query read them: give the query a consumer group "
                 "(option 'group') so that collection waits for it"
             )
+        return (
+            f"{where} were garbage-collected before this query read them: group {self.opts.group!r}'s "
+            "watermarks were past them (moved by another consumer of the group, or the group deleted); this "
+            "checkpoint cannot resume: start the query on a new checkpoint (startingOffsets=group resumes "
+            "where the group is)"
+        )
 
     def commit(self, end: Offsets) -> None:
         """With ``group``: move its watermarks up to ``end`` (never down), creating its rows at first."""
-        if self.opts.group is None:
+        if self.opts.group is None or end == self._committed:  # (asked again each trigger while idle)
             return
         with self._conn() as conn, conn.begin():
-            dialect = dialect_for(conn.engine)
-            stmts = statements_for(dialect, self.opts.table_prefix, self.opts.schema, False)
+            stmts = self._stmts(conn)
             now = int(conn.execute(stmts.now).scalar_one())
             key = {"group": self.opts.group, "topic_name": self.opts.topic}
-            conn.execute(stmts.create_offset, [{**key, "part": int(p), "acked": 0, "now_v": now} for p in end])
+            conn.execute(
+                stmts.create_offset, [{**key, "part": int(p), "acked": v, "now_v": now} for p, v in end.items()]
+            )
             off = self.opts.tables().topics.offsets
             for p, upto in end.items():
                 conn.execute(
@@ -178,6 +283,7 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 )
                 # Delivery states behind the watermark are never read again (a requeue's, say): forget them.
                 conn.execute(stmts.forget_states, {**key, "part": int(p), "upto": upto})
+        self._committed = dict(end)
 
     def stop(self) -> None:
         if self._engine is not None:

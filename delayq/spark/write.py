@@ -4,9 +4,10 @@ The DataFrame's columns, checked on the driver before any task runs:
 
 - a queue: ``key`` (string, required); ``at`` (a ``TIMESTAMP``, optional: due now when absent; a
   ``TIMESTAMP_NTZ`` has no time zone and is refused); ``payload`` (any JSON-able column) or, without one,
-  every other column packed as one JSON object by name.
-- a topic: ``key`` (the partition key, string), ``id`` (the message id, string); ``payload`` or every other
-  column packed as an object.
+  ``payload_json`` (JSON text, as a read returns it: stored as the value it encodes), or every other column
+  packed as one JSON object by name. A ``payload`` column that is a read's ``payload_json`` renamed (Spark
+  keeps the column's metadata, ``delayq.json``) is JSON text too.
+- a topic: ``key`` (the partition key, string), ``id`` (the message id, string); the payload as for a queue.
 
 Each task offers (publishes) its rows in chunks of ``chunk_size``, one transaction each. Keys (message
 ids) deduplicate, so a task retried after a failure, a speculative duplicate, or a micro-batch that Spark
@@ -20,6 +21,7 @@ the driver's Python worker: with ``spark.sql.pyspark.worker.logging.enabled=true
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from pyspark.sql.datasource import (
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue
-from delayq.spark.options import SourceOptions
+from delayq.spark.options import JSON_TEXT, SourceOptions
 from delayq.topics.topic import Topic
 
 Item = TypeVar("Item")
@@ -66,6 +68,7 @@ class Layout:
     at: str | None
     payload: str | None  # one column, or None: every other column, packed as an object
     packed: tuple[str, ...]
+    json_text: bool = False  # the payload column holds JSON text (``payload_json``): stored decoded
 
 
 def layout_for(opts: SourceOptions, schema: T.StructType) -> Layout:
@@ -93,14 +96,24 @@ def layout_for(opts: SourceOptions, schema: T.StructType) -> Layout:
             raise InvalidTimeError(f"column 'at' is {kind.simpleString()}, not a timestamp")
         at = "at"
         reserved.append("at")
-    payload = "payload" if "payload" in fields else None
+    payload = "payload" if "payload" in fields else "payload_json" if "payload_json" in fields else None
+    json_text = payload is not None and is_json_text(schema[payload])
+    if payload == "payload_json" and not json_text:
+        raise InvalidInputError(f"column 'payload_json' is {fields[payload].simpleString()}, not JSON text (a string)")
     packed = () if payload else tuple(name for name in fields if name not in reserved)
     if payload is None and not packed:
         raise InvalidInputError("no payload: add a column 'payload', or columns to pack as the payload")
     for name in [payload] if payload else packed:
         if isinstance(fields[name], T.BinaryType):
             raise InvalidInputError(f"payload column {name!r} is binary, which JSON cannot hold: encode it first")
-    return Layout("key", message_id, at, payload, packed)
+    return Layout("key", message_id, at, payload, packed, json_text)
+
+
+def is_json_text(field: T.StructField) -> bool:
+    """A string column of JSON text: named ``payload_json``, or marked so by a read (renamed since)."""
+    return isinstance(field.dataType, T.StringType) and (
+        field.name == "payload_json" or bool((field.metadata or {}).get(JSON_TEXT))
+    )
 
 
 def write_rows(opts: SourceOptions, layout: Layout, batches: Iterator[Any]) -> WriteCounts:
@@ -139,6 +152,8 @@ def _column(batch: Any, name: str) -> list[Any]:
 
 
 def _payloads(layout: Layout, batch: Any) -> list[Any]:
+    if layout.payload is not None and layout.json_text:
+        return [decoded_json(v) for v in _column(batch, layout.payload)]
     if layout.payload is not None:
         return [_jsonable(v) for v in _column(batch, layout.payload)]
     columns = [_column(batch, name) for name in layout.packed]
@@ -146,6 +161,15 @@ def _payloads(layout: Layout, batch: Any) -> list[Any]:
         {name: _jsonable(v) for name, v in zip(layout.packed, values, strict=True)}
         for values in zip(*columns, strict=True)
     ]
+
+
+def decoded_json(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidInputError(f"a payload_json value is not JSON: {text[:40]!r}") from None
 
 
 def _offer_items(layout: Layout, batches: Iterator[Any]) -> Iterator[tuple[str, Any, Any]]:
