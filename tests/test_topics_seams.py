@@ -557,3 +557,83 @@ def test_an_undecodable_message_of_a_topic_with_no_room_for_dead_letters_does_no
         clock.advance(120 * SECOND)
     assert rows(engine, "heads", dead_letter_topic(dlq)) == 0
     assert [s.pending for s in group_lag(engine, dlq, "audit")] == [1]  # the JSON one, in flight, never lost
+
+
+def _waits_for_a_lock(url: str, backend: str, tag: str, pattern: str) -> None:
+    """Poll (bounded) until a statement waits for a row lock: on PostgreSQL one of a session named ``tag``
+    (its ``application_name``), on MariaDB one running whose text is LIKE ``pattern`` (its lock waits do not
+    all show in ``innodb_trx``)."""
+    params: Any
+    if backend == "postgresql":
+        query, params = (
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(tag)s AND wait_event_type = 'Lock'",
+            {"tag": tag},
+        )
+    else:
+        query = "SELECT count(*) FROM information_schema.processlist WHERE command = 'Query' AND info LIKE %s"
+        params = (pattern,)
+    watcher = make_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with watcher.connect() as w:
+            deadline = time.monotonic() + 30
+            while int(w.exec_driver_sql(query, params).scalar_one()) == 0:
+                assert time.monotonic() < deadline, f"nothing of {tag!r} waits for a lock"
+                time.sleep(0.02)
+                w.rollback()
+    finally:
+        watcher.dispose()
+
+
+@pytest.mark.parametrize("op", ["rebalance", "close"])
+def test_drop_group_beside_a_subscribers_rebalance_or_close_does_not_deadlock(
+    backend: Backend, engine: sa.Engine, op: str
+) -> None:
+    """Every transaction of a group takes its lease rows before its subscriber row, as a drop does. With the
+    subscriber's row held by another transaction (a slow heartbeat), a rebalance or close that waits for it,
+    then a drop of the group, both finish, neither a deadlock's victim (retries off). (It failed with the
+    rebalance's heartbeat before its leases: the drop held the leases and waited for the subscriber's row.)"""
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    from delayq.transactions import TransientRetry
+
+    once = TransientRetry(attempts=1)
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    tags = {role: f"{role}-{name}" for role in ("sub", "drop")}
+    pg = backend.name == "postgresql"
+    engines = {role: make_engine(backend.url + (f"?application_name={t}" if pg else "")) for role, t in tags.items()}
+    errors: list[BaseException] = []
+    results: dict[str, Any] = {}
+
+    def run(role: str, target: Callable[[], Any]) -> threading.Thread:
+        def body() -> None:
+            try:
+                results[role] = target()
+            except BaseException as exc:  # asserted below
+                errors.append(exc)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    try:
+        topic = Topic(engines["drop"], name, transient_retry=once)
+        topic.create(2)
+        topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(4)])
+        sub = Subscription(engines["sub"], name, "g", "s1", transient_retry=once)
+        assert sorted(sub.rebalance()) == [0, 1]
+        assert len(sub.poll(10)) == 4
+        where, params = "consumer_group = 'g' AND topic = :t AND subscriber = 's1'", {"t": name}
+        with hold_row_lock(backend.url, "delayq_topic_subscribers", where, params, timeout=30):
+            first = run("sub", sub.rebalance if op == "rebalance" else sub.close)
+            _waits_for_a_lock(backend.url, backend.name, tags["sub"], f"%delayq_topic_subscribers%{name}%")
+            second = run("drop", lambda: topic.drop_group("g"))
+            _waits_for_a_lock(backend.url, backend.name, tags["drop"], f"DELETE FROM%{name}%")
+        first.join(60)
+        second.join(60)
+    finally:
+        for e in engines.values():
+            e.dispose()
+    assert errors == []
+    assert results["drop"] is True and "sub" in results
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, name, "g") == 0

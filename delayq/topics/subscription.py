@@ -157,7 +157,7 @@ class Subscription:
         self.ctx.runner.run(using, op, "statement")
 
     def rebalance(self, *, busy: Collection[int] = (), using: Using = None) -> dict[int, int]:
-        """Heartbeat, renew the leases held, then hold the fair share: ``ceil(partitions / live subscribers)``.
+        """Renew the leases held, heartbeat, then hold the fair share: ``ceil(partitions / live subscribers)``.
 
         Partitions beyond the share are released: first those not in ``busy`` (a worker passes the
         partitions it has deliveries in flight for, whose acks a release would fence out), the
@@ -175,11 +175,12 @@ class Subscription:
             stmts = self.ctx.stmts(dialect)
             now = self.ctx.now(conn, stmts)
             g = {"group": self.group, "topic_name": self.topic, "me": self.name}
+            until = now + self._lease_ms
+            # The leases before the subscriber's row, as a poll, a close and a drop of the group take them.
+            conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
             conn.execute(stmts.heartbeat, {**g, "now_v": now})
             live = int(conn.execute(stmts.live_subscribers, {**g, "live_after": now - self._lease_ms}).scalar_one())
             share = math.ceil(partitions / max(live, 1))
-            until = now + self._lease_ms
-            conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
             mine = {int(r.partition): int(r.epoch) for r in conn.execute(stmts.my_leases, g)}
             if len(mine) > share:
                 excess = sorted(mine, key=lambda p: (p in busy, -p))[: len(mine) - share]
