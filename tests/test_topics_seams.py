@@ -160,6 +160,7 @@ def test_a_group_dropped_and_created_again_that_gives_up_again_finds_its_dead_le
         assert (d.offset, d.attempts) == (1, 1)
         assert d.fail(f"incarnation {incarnation}")
         assert sub.advance_watermarks() == {0: 1}
+        sub.close()
         assert topic.drop_group("billing")
     assert dead_ids(engine, topic.name) == ["billing:order-1", "billing:order-1~dead-1"]  # the third found them
     assert [dl.message_id for dl in topic.dead_letters(message_id="order-1")] == ["order-1", "order-1"]
@@ -283,7 +284,9 @@ def test_drop_group_removes_its_rows_and_lets_garbage_collection_move_on(
     fast.advance_watermarks()
     held = slow.poll(2)
     assert topic.collect_garbage() == 0  # slow holds collection back
-    assert topic.drop_group("slow")
+    with pytest.raises(InvalidInputError, match="live subscribers"):
+        topic.drop_group("slow")  # it holds partitions
+    assert topic.drop_group("slow", force=True)
     for table in ("offsets", "leases", "deliveries", "subscribers"):
         assert rows(engine, table, topic.name, "slow") == 0
     assert group_lag(engine, topic.name, "slow") == []
@@ -295,6 +298,39 @@ def test_drop_group_removes_its_rows_and_lets_garbage_collection_move_on(
     assert rows(engine, "deliveries", topic.name, "slow") == 0
     with pytest.raises(InvalidInputError):
         topic.drop_group("no spaces")
+
+
+def test_drop_group_refuses_a_group_whose_partitions_a_live_subscriber_holds(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock, engine: sa.Engine
+) -> None:
+    """Dropping a group under running subscribers would leave them holding nothing, silently, until restarted:
+    refused (nothing written) while a lease is live, done once they closed or their leases expired (a
+    subscriber frozen or killed), or with ``force``. (It dropped the group under them.)"""
+    topic = make_topic(2)
+    topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(4)])
+    one, two = make_sub("g", name="s1"), make_sub("g", name="s2")
+    assert len(one.rebalance()) == 1 and len(two.rebalance()) == 1
+    got = {"s1": one.poll(10), "s2": two.poll(10)}
+    assert sorted(d.payload for ds in got.values() for d in ds) == [0, 1, 2, 3]
+    before = {table: rows(engine, table, topic.name, "g") for table in ("offsets", "leases", "deliveries")}
+    live = r"'g' of topic .* has live subscribers \(s1 holds partition 0; s2 holds partition 1\)"
+    with pytest.raises(InvalidInputError, match=live):
+        topic.drop_group("g")
+    assert {table: rows(engine, table, topic.name, "g") for table in before} == before  # nothing written
+    assert all(one.ack_many(got["s1"]))  # s1 goes on, then leaves
+    one.close()
+    with pytest.raises(InvalidInputError, match=r"\(s2 holds partition 1\)"):
+        topic.drop_group("g")
+    clock.advance(31 * SECOND)  # s2 froze: its lease (30 s) expired
+    assert topic.drop_group("g")
+    assert got["s2"] and [d.ack() for d in got["s2"]] == [False] * len(got["s2"])  # s2 woke up: fenced out
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, topic.name, "g") == 0
+    # force: dropped under a live subscriber, which then holds nothing until it joins again.
+    live = make_sub("h", name="s3")
+    [first, *_] = live.poll(10)
+    assert topic.drop_group("h", force=True)
+    assert not first.ack() and live.poll(10) == []
 
 
 def test_dead_letters_carry_their_original_topic(
@@ -422,7 +458,9 @@ def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_start
             ]
             assert await topic.publish("k", "order-2", 2) is OfferOutcome.CREATED
             [held] = await sub.poll(10)
-            assert await topic.drop_group("billing")
+            with pytest.raises(InvalidInputError, match="s1 holds partition 0"):
+                await topic.drop_group("billing")
+            assert await topic.drop_group("billing", force=True)
             assert not await sub.ack(held)  # its subscriber is fenced out
             again = AsyncSubscription(engine, name, "billing", "s2")
             await again.rebalance()
@@ -437,12 +475,12 @@ def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_start
 
 def _lock_waiters(conn: sa.Connection, backend: str, topic: str, holder: int) -> int:
     """How many statements wait for a row lock of the holder (PostgreSQL: its backend's pid) or, on
-    MariaDB, delete the leases of ``topic`` waiting for a lock (seen from a connection of its own)."""
+    MariaDB, lock the leases of ``topic`` (seen from a connection of its own)."""
     if backend == "postgresql":
         query = "SELECT count(*) FROM pg_stat_activity WHERE %(holder)s = ANY(pg_blocking_pids(pid))"
         return int(conn.exec_driver_sql(query, {"holder": holder}).scalar_one())
-    query = "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE %s"
-    return int(conn.exec_driver_sql(query, (f"DELETE FROM %topic_leases%{topic}%",)).scalar_one())
+    query = "SELECT count(*) FROM information_schema.processlist WHERE command = 'Query' AND info LIKE %s"
+    return int(conn.exec_driver_sql(query, (f"%FROM delayq_topic_leases%{topic}%FOR UPDATE%",)).scalar_one())
 
 
 def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backend, engine: sa.Engine) -> None:
@@ -476,7 +514,7 @@ def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backe
                 .where(t.leases.c.consumer_group == "g", t.leases.c.topic == name, t.leases.c.partition == 0)
                 .with_for_update()
             ).one()
-            dropping = threading.Thread(target=lambda: results.append(topic.drop_group("g")))
+            dropping = threading.Thread(target=lambda: results.append(topic.drop_group("g", force=True)))
             dropping.start()
             with watcher.connect() as w:
                 deadline = time.monotonic() + 30
@@ -626,8 +664,8 @@ def test_drop_group_beside_a_subscribers_rebalance_or_close_does_not_deadlock(
         with hold_row_lock(backend.url, "delayq_topic_subscribers", where, params, timeout=30):
             first = run("sub", sub.rebalance if op == "rebalance" else sub.close)
             _waits_for_a_lock(backend.url, backend.name, tags["sub"], f"%delayq_topic_subscribers%{name}%")
-            second = run("drop", lambda: topic.drop_group("g"))
-            _waits_for_a_lock(backend.url, backend.name, tags["drop"], f"DELETE FROM%{name}%")
+            second = run("drop", lambda: topic.drop_group("g", force=True))
+            _waits_for_a_lock(backend.url, backend.name, tags["drop"], f"%FROM delayq_topic_%{name}%")
         first.join(60)
         second.join(60)
     finally:

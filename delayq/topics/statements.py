@@ -287,6 +287,7 @@ class TopicStatements:
             .with_for_update()
         )
         # -- dropping a group (``Topic.drop_group``): leases first, as its polls lock them --------------
+        self.lock_group_leases = self.group_leases.with_for_update()
         self.drop_leases = sa.delete(le).where(group_leases)
         self.drop_offsets = sa.delete(off).where(off.c.consumer_group == group, off.c.topic == topic)
         self.drop_states = sa.delete(dl).where(dl.c.consumer_group == group, dl.c.topic == topic)
