@@ -398,6 +398,39 @@ def test_a_spark_groups_commit_forgets_the_states_its_watermark_passes(
         reader.stop()
 
 
+def test_a_dropped_spark_group_is_created_again_by_its_querys_next_commit_and_a_collected_range_fails_loudly(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], backend: Backend, engine: sa.Engine
+) -> None:
+    """A Spark query's group has no leases, so nothing refuses its drop; what the query had not read may then
+    be collected: its read of that range fails (``CollectedError``), never skips it, and its next commit
+    creates the group's watermarks again, so collection waits for it from there."""
+    pytest.importorskip("pyspark")
+    from pyspark.sql.datasource import InputPartition
+
+    from delayq.spark.options import SourceOptions
+    from delayq.spark.stream import CollectedError, TopicStreamReader
+
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(4)])
+    fast = make_sub("fast")
+    assert all(fast.ack_many(fast.poll(10))) and fast.advance_watermarks() == {0: 4}
+    reader = TopicStreamReader(SourceOptions.parse({"url": backend.url, "topic": topic.name, "group": "spark"}))
+    try:
+        reader.commit({"0": 2})
+        assert topic.collect_garbage() == 2  # spark read up to 2
+        assert topic.drop_group("spark")  # the query still runs: nothing says so
+        assert topic.collect_garbage() == 2
+        with pytest.raises(CollectedError, match=r"offsets 3\.\.4 of partition 0"):
+            list(reader.read(InputPartition((0, 2, 4))))
+        topic.publish("k", "m4", 4)
+        assert all(fast.ack_many(fast.poll(10))) and fast.advance_watermarks() == {0: 5}
+        reader.commit({"0": 4})
+        assert rows(engine, "offsets", topic.name, "spark") == 1
+        assert topic.collect_garbage() == 0  # offset 5 waits for spark again
+    finally:
+        reader.stop()
+
+
 # -- faults -------------------------------------------------------------------------------------------------
 COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
 
