@@ -30,6 +30,7 @@ from delayq.topics.names import (
     check_message_id,
     check_partition_key,
     dead_letter_topic,
+    has_dead_letter_topic,
     partition_for,
 )
 from delayq.topics.statements import ACKED, TopicStatements
@@ -65,7 +66,7 @@ def bury(
     """
     topic = key["topic_name"]
     dlq = dead_letter_topic(topic)
-    if len(dlq) > MAX_TOPIC_LENGTH:
+    if not has_dead_letter_topic(topic):
         raise InvalidInputError(
             f"topic {topic!r} has no dead-letter topic ({dlq!r} would be over {MAX_TOPIC_LENGTH} characters): "
             "ack or nack the message instead"

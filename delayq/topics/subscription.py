@@ -25,7 +25,13 @@ from delayq.serializers import JsonSerializer, Serializer
 from delayq.topics.context import TopicContext
 from delayq.topics.dead_letters import bury
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
-from delayq.topics.names import MAX_TOPIC_NAME, check_group, check_subscriber, check_topic_stored, dead_letter_topic
+from delayq.topics.names import (
+    check_group,
+    check_subscriber,
+    check_topic_stored,
+    dead_letter_topic,
+    has_dead_letter_topic,
+)
 from delayq.topics.statements import PENDING, TopicStatements
 from delayq.topics.topic import ensure_topic
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
@@ -78,7 +84,7 @@ class Subscription:
         transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
         self.topic = check_topic_stored(topic)
-        if max_attempts is not None and len(self.topic) > MAX_TOPIC_NAME:
+        if max_attempts is not None and not has_dead_letter_topic(self.topic):
             raise InvalidInputError(
                 f"topic {topic!r} is too long for a dead-letter topic of its own: pass max_attempts=None"
             )
@@ -526,7 +532,7 @@ class Subscription:
             try:
                 payload = self._decode(row)
             except SerializationMismatchError as exc:
-                if len(self.topic) <= MAX_TOPIC_NAME:  # else no dead-letter topic: it stays in flight, undelivered
+                if has_dead_letter_topic(self.topic):  # else no dead-letter topic: it stays in flight, undelivered
                     doomed[o] = (again.get(o, 0), str(exc))
                 continue
             out.append(self._delivery(row, partition, epoch, again.get(o, 0) + 1, until, payload))
