@@ -333,6 +333,27 @@ def test_drop_group_refuses_a_group_whose_partitions_a_live_subscriber_holds(
     assert not first.ack() and live.poll(10) == []
 
 
+def test_a_dropped_groups_dead_letters_stay_until_it_reads_the_topic_again(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
+) -> None:
+    topic = make_topic(1)
+    topic.publish_many([("k", "m0", 0), ("k", "m1", 1)])
+    billing, search = make_sub("billing", max_attempts=1), make_sub("search", name="s2")
+    [first, second] = billing.poll(10)
+    assert first.fail("no") and second.ack()
+    assert all(search.ack_many(search.poll(10)))
+    billing.close()
+    assert topic.drop_group("billing")
+    assert topic.requeue_dead(everything=True) == 0  # nobody to requeue it to: it stays
+    assert [dl.message_id for dl in topic.dead_letters()] == ["m0"]
+    again = make_sub("billing", name="s3", start="latest", max_attempts=1)
+    assert again.poll(10) == []
+    assert topic.requeue_dead(group="billing", message_id="m0") == 1
+    [back] = again.poll(10)
+    assert (back.payload, back.attempts) == (0, 1) and back.ack()
+    assert search.poll(10) == [] and search.advance_watermarks() == {0: 3}  # acked for search: not delivered
+
+
 def test_dead_letters_carry_their_original_topic(
     make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
 ) -> None:
