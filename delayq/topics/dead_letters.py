@@ -79,9 +79,8 @@ def bury(
     now = int(conn.execute(stmts.now, now_param).scalar_one())
     if conn.execute(stmts.partitions, {"topic_name": dlq}).scalar() is None:
         # A dead letter of a dead letter whose subscriber did not create it (max_attempts=None): a whole topic.
+        # (A topic's row comes with every partition's head row: nothing to create when it is there.)
         ensure_topic(conn, stmts, dlq, int(conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one()), now)
-    else:
-        conn.execute(stmts.create_head, {"topic_name": dlq, "part": key["part"]})
     group, offset = key["group"], int(message.message_offset)
     extra = {
         "original_topic": topic,
