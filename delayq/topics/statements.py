@@ -182,6 +182,20 @@ class TopicStatements:
                 sa.select(off.c.partition).where(off.c.consumer_group == group, off.c.topic == topic)
             ),
         )
+        # The group's states at or below its watermark of their partition, of every partition at once
+        # (a Spark query's commit, which moves the watermarks of many partitions).
+        passed = (
+            sa.select(off.c.acked_offset)
+            .where(
+                off.c.consumer_group == dl.c.consumer_group,
+                off.c.topic == dl.c.topic,
+                off.c.partition == dl.c.partition,
+            )
+            .scalar_subquery()
+        )
+        self.forget_passed_states = sa.delete(dl).where(
+            dl.c.consumer_group == group, dl.c.topic == topic, dl.c.message_offset <= passed
+        )
         self.messages = sa.select(
             log.c.message_offset,
             log.c.partition_key,
