@@ -180,7 +180,9 @@ def test_groups_ls_and_drop(backend: Backend) -> None:
 
     assert cli(backend, "groups", "drop", name, "slow", input="n\n").exit_code == 1  # "no" changes nothing
     assert {g["group"] for g in json.loads(cli(backend, "groups", "ls", name, "--json").output)} == {"fast", "slow"}
-    dropped = cli(backend, "groups", "drop", name, "slow", "--yes")
+    refused = cli(backend, "groups", "drop", name, "slow", "--yes")  # s1 holds its partitions
+    assert refused.exit_code != 0 and "live subscribers (s1 holds partitions 0, 1)" in refused.output
+    dropped = cli(backend, "groups", "drop", name, "slow", "--yes", "--force")
     assert dropped.exit_code == 0 and "group 'slow' dropped" in dropped.output
     assert [g["group"] for g in json.loads(cli(backend, "groups", "ls", name, "--json").output)] == ["fast"]
     assert topic.collect_garbage() == 4  # nothing waits for slow any more

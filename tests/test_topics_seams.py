@@ -160,6 +160,7 @@ def test_a_group_dropped_and_created_again_that_gives_up_again_finds_its_dead_le
         assert (d.offset, d.attempts) == (1, 1)
         assert d.fail(f"incarnation {incarnation}")
         assert sub.advance_watermarks() == {0: 1}
+        sub.close()
         assert topic.drop_group("billing")
     assert dead_ids(engine, topic.name) == ["billing:order-1", "billing:order-1~dead-1"]  # the third found them
     assert [dl.message_id for dl in topic.dead_letters(message_id="order-1")] == ["order-1", "order-1"]
@@ -283,7 +284,9 @@ def test_drop_group_removes_its_rows_and_lets_garbage_collection_move_on(
     fast.advance_watermarks()
     held = slow.poll(2)
     assert topic.collect_garbage() == 0  # slow holds collection back
-    assert topic.drop_group("slow")
+    with pytest.raises(InvalidInputError, match="live subscribers"):
+        topic.drop_group("slow")  # it holds partitions
+    assert topic.drop_group("slow", force=True)
     for table in ("offsets", "leases", "deliveries", "subscribers"):
         assert rows(engine, table, topic.name, "slow") == 0
     assert group_lag(engine, topic.name, "slow") == []
@@ -295,6 +298,60 @@ def test_drop_group_removes_its_rows_and_lets_garbage_collection_move_on(
     assert rows(engine, "deliveries", topic.name, "slow") == 0
     with pytest.raises(InvalidInputError):
         topic.drop_group("no spaces")
+
+
+def test_drop_group_refuses_a_group_whose_partitions_a_live_subscriber_holds(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], clock: ManualClock, engine: sa.Engine
+) -> None:
+    """Dropping a group under running subscribers would leave them holding nothing, silently, until restarted:
+    refused (nothing written) while a lease is live, done once they closed or their leases expired (a
+    subscriber frozen or killed), or with ``force``. (It dropped the group under them.)"""
+    topic = make_topic(2)
+    topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(4)])
+    one, two = make_sub("g", name="s1"), make_sub("g", name="s2")
+    assert len(one.rebalance()) == 1 and len(two.rebalance()) == 1
+    got = {"s1": one.poll(10), "s2": two.poll(10)}
+    assert sorted(d.payload for ds in got.values() for d in ds) == [0, 1, 2, 3]
+    before = {table: rows(engine, table, topic.name, "g") for table in ("offsets", "leases", "deliveries")}
+    live = r"'g' of topic .* has live subscribers \(s1 holds partition 0; s2 holds partition 1\)"
+    with pytest.raises(InvalidInputError, match=live):
+        topic.drop_group("g")
+    assert {table: rows(engine, table, topic.name, "g") for table in before} == before  # nothing written
+    assert all(one.ack_many(got["s1"]))  # s1 goes on, then leaves
+    one.close()
+    with pytest.raises(InvalidInputError, match=r"\(s2 holds partition 1\)"):
+        topic.drop_group("g")
+    clock.advance(31 * SECOND)  # s2 froze: its lease (30 s) expired
+    assert topic.drop_group("g")
+    assert got["s2"] and [d.ack() for d in got["s2"]] == [False] * len(got["s2"])  # s2 woke up: fenced out
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, topic.name, "g") == 0
+    # force: dropped under a live subscriber, which then holds nothing until it joins again.
+    live = make_sub("h", name="s3")
+    [first, *_] = live.poll(10)
+    assert topic.drop_group("h", force=True)
+    assert not first.ack() and live.poll(10) == []
+
+
+def test_a_dropped_groups_dead_letters_stay_until_it_reads_the_topic_again(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription]
+) -> None:
+    topic = make_topic(1)
+    topic.publish_many([("k", "m0", 0), ("k", "m1", 1)])
+    billing, search = make_sub("billing", max_attempts=1), make_sub("search", name="s2")
+    [first, second] = billing.poll(10)
+    assert first.fail("no") and second.ack()
+    assert all(search.ack_many(search.poll(10)))
+    billing.close()
+    assert topic.drop_group("billing")
+    assert topic.requeue_dead(everything=True) == 0  # nobody to requeue it to: it stays
+    assert [dl.message_id for dl in topic.dead_letters()] == ["m0"]
+    again = make_sub("billing", name="s3", start="latest", max_attempts=1)
+    assert again.poll(10) == []
+    assert topic.requeue_dead(group="billing", message_id="m0") == 1
+    [back] = again.poll(10)
+    assert (back.payload, back.attempts) == (0, 1) and back.ack()
+    assert search.poll(10) == [] and search.advance_watermarks() == {0: 3}  # acked for search: not delivered
 
 
 def test_dead_letters_carry_their_original_topic(
@@ -362,6 +419,39 @@ def test_a_spark_groups_commit_forgets_the_states_its_watermark_passes(
         reader.stop()
 
 
+def test_a_dropped_spark_group_is_created_again_by_its_querys_next_commit_and_a_collected_range_fails_loudly(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], backend: Backend, engine: sa.Engine
+) -> None:
+    """A Spark query's group has no leases, so nothing refuses its drop; what the query had not read may then
+    be collected: its read of that range fails (``CollectedError``), never skips it, and its next commit
+    creates the group's watermarks again, so collection waits for it from there."""
+    pytest.importorskip("pyspark")
+    from pyspark.sql.datasource import InputPartition
+
+    from delayq.spark.options import SourceOptions
+    from delayq.spark.stream import CollectedError, TopicStreamReader
+
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(4)])
+    fast = make_sub("fast")
+    assert all(fast.ack_many(fast.poll(10))) and fast.advance_watermarks() == {0: 4}
+    reader = TopicStreamReader(SourceOptions.parse({"url": backend.url, "topic": topic.name, "group": "spark"}))
+    try:
+        reader.commit({"0": 2})
+        assert topic.collect_garbage() == 2  # spark read up to 2
+        assert topic.drop_group("spark")  # the query still runs: nothing says so
+        assert topic.collect_garbage() == 2
+        with pytest.raises(CollectedError, match=r"offsets 3\.\.4 of partition 0"):
+            list(reader.read(InputPartition((0, 2, 4))))
+        topic.publish("k", "m4", 4)
+        assert all(fast.ack_many(fast.poll(10))) and fast.advance_watermarks() == {0: 5}
+        reader.commit({"0": 4})
+        assert rows(engine, "offsets", topic.name, "spark") == 1
+        assert topic.collect_garbage() == 0  # offset 5 waits for spark again
+    finally:
+        reader.stop()
+
+
 # -- faults -------------------------------------------------------------------------------------------------
 COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
 
@@ -422,7 +512,9 @@ def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_start
             ]
             assert await topic.publish("k", "order-2", 2) is OfferOutcome.CREATED
             [held] = await sub.poll(10)
-            assert await topic.drop_group("billing")
+            with pytest.raises(InvalidInputError, match="s1 holds partition 0"):
+                await topic.drop_group("billing")
+            assert await topic.drop_group("billing", force=True)
             assert not await sub.ack(held)  # its subscriber is fenced out
             again = AsyncSubscription(engine, name, "billing", "s2")
             await again.rebalance()
@@ -437,12 +529,12 @@ def test_async_a_republished_id_is_dead_lettered_again_and_a_dropped_group_start
 
 def _lock_waiters(conn: sa.Connection, backend: str, topic: str, holder: int) -> int:
     """How many statements wait for a row lock of the holder (PostgreSQL: its backend's pid) or, on
-    MariaDB, delete the leases of ``topic`` waiting for a lock (seen from a connection of its own)."""
+    MariaDB, lock the leases of ``topic`` (seen from a connection of its own)."""
     if backend == "postgresql":
         query = "SELECT count(*) FROM pg_stat_activity WHERE %(holder)s = ANY(pg_blocking_pids(pid))"
         return int(conn.exec_driver_sql(query, {"holder": holder}).scalar_one())
-    query = "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE %s"
-    return int(conn.exec_driver_sql(query, (f"DELETE FROM %topic_leases%{topic}%",)).scalar_one())
+    query = "SELECT count(*) FROM information_schema.processlist WHERE command = 'Query' AND info LIKE %s"
+    return int(conn.exec_driver_sql(query, (f"%FROM delayq_topic_leases%{topic}%FOR UPDATE%",)).scalar_one())
 
 
 def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backend, engine: sa.Engine) -> None:
@@ -476,7 +568,7 @@ def test_drop_group_takes_a_groups_rows_in_the_order_its_polls_do(backend: Backe
                 .where(t.leases.c.consumer_group == "g", t.leases.c.topic == name, t.leases.c.partition == 0)
                 .with_for_update()
             ).one()
-            dropping = threading.Thread(target=lambda: results.append(topic.drop_group("g")))
+            dropping = threading.Thread(target=lambda: results.append(topic.drop_group("g", force=True)))
             dropping.start()
             with watcher.connect() as w:
                 deadline = time.monotonic() + 30
@@ -557,3 +649,83 @@ def test_an_undecodable_message_of_a_topic_with_no_room_for_dead_letters_does_no
         clock.advance(120 * SECOND)
     assert rows(engine, "heads", dead_letter_topic(dlq)) == 0
     assert [s.pending for s in group_lag(engine, dlq, "audit")] == [1]  # the JSON one, in flight, never lost
+
+
+def _waits_for_a_lock(url: str, backend: str, tag: str, pattern: str) -> None:
+    """Poll (bounded) until a statement waits for a row lock: on PostgreSQL one of a session named ``tag``
+    (its ``application_name``), on MariaDB one running whose text is LIKE ``pattern`` (its lock waits do not
+    all show in ``innodb_trx``)."""
+    params: Any
+    if backend == "postgresql":
+        query, params = (
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(tag)s AND wait_event_type = 'Lock'",
+            {"tag": tag},
+        )
+    else:
+        query = "SELECT count(*) FROM information_schema.processlist WHERE command = 'Query' AND info LIKE %s"
+        params = (pattern,)
+    watcher = make_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with watcher.connect() as w:
+            deadline = time.monotonic() + 30
+            while int(w.exec_driver_sql(query, params).scalar_one()) == 0:
+                assert time.monotonic() < deadline, f"nothing of {tag!r} waits for a lock"
+                time.sleep(0.02)
+                w.rollback()
+    finally:
+        watcher.dispose()
+
+
+@pytest.mark.parametrize("op", ["rebalance", "close"])
+def test_drop_group_beside_a_subscribers_rebalance_or_close_does_not_deadlock(
+    backend: Backend, engine: sa.Engine, op: str
+) -> None:
+    """Every transaction of a group takes its lease rows before its subscriber row, as a drop does. With the
+    subscriber's row held by another transaction (a slow heartbeat), a rebalance or close that waits for it,
+    then a drop of the group, both finish, neither a deadlock's victim (retries off). (It failed with the
+    rebalance's heartbeat before its leases: the drop held the leases and waited for the subscriber's row.)"""
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    from delayq.transactions import TransientRetry
+
+    once = TransientRetry(attempts=1)
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    tags = {role: f"{role}-{name}" for role in ("sub", "drop")}
+    pg = backend.name == "postgresql"
+    engines = {role: make_engine(backend.url + (f"?application_name={t}" if pg else "")) for role, t in tags.items()}
+    errors: list[BaseException] = []
+    results: dict[str, Any] = {}
+
+    def run(role: str, target: Callable[[], Any]) -> threading.Thread:
+        def body() -> None:
+            try:
+                results[role] = target()
+            except BaseException as exc:  # asserted below
+                errors.append(exc)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    try:
+        topic = Topic(engines["drop"], name, transient_retry=once)
+        topic.create(2)
+        topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(4)])
+        sub = Subscription(engines["sub"], name, "g", "s1", transient_retry=once)
+        assert sorted(sub.rebalance()) == [0, 1]
+        assert len(sub.poll(10)) == 4
+        where, params = "consumer_group = 'g' AND topic = :t AND subscriber = 's1'", {"t": name}
+        with hold_row_lock(backend.url, "delayq_topic_subscribers", where, params, timeout=30):
+            first = run("sub", sub.rebalance if op == "rebalance" else sub.close)
+            _waits_for_a_lock(backend.url, backend.name, tags["sub"], f"%delayq_topic_subscribers%{name}%")
+            second = run("drop", lambda: topic.drop_group("g", force=True))
+            _waits_for_a_lock(backend.url, backend.name, tags["drop"], f"%FROM delayq_topic_%{name}%")
+        first.join(60)
+        second.join(60)
+    finally:
+        for e in engines.values():
+            e.dispose()
+    assert errors == []
+    assert results["drop"] is True and "sub" in results
+    for table in ("offsets", "leases", "deliveries", "subscribers"):
+        assert rows(engine, table, name, "g") == 0

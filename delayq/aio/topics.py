@@ -83,9 +83,9 @@ class AsyncTopic:
         """Delete log rows every consumer group has passed; how many."""
         return await self.bridge.run(using, lambda u: self.sync.collect_garbage(using=u))
 
-    async def drop_group(self, group: str, *, using: AsyncUsing = None) -> bool:
+    async def drop_group(self, group: str, *, force: bool = False, using: AsyncUsing = None) -> bool:
         """Remove a consumer group from this topic; see ``Topic.drop_group``."""
-        return await self.bridge.run(using, lambda u: self.sync.drop_group(group, using=u))
+        return await self.bridge.run(using, lambda u: self.sync.drop_group(group, force=force, using=u))
 
     async def dead_letters(
         self,

@@ -281,8 +281,8 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     )
                     .values(acked_offset=upto, updated_at=now)
                 )
-                # Delivery states behind the watermark are never read again (a requeue's, say): forget them.
-                conn.execute(stmts.forget_states, {**key, "part": int(p), "upto": upto})
+            # Delivery states behind the watermarks are never read again (a requeue's, say): forget them.
+            conn.execute(stmts.forget_passed_states, key)
         self._committed = dict(end)
 
     def stop(self) -> None:

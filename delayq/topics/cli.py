@@ -117,17 +117,19 @@ def groups_ls(ctx: click.Context, topic: str, as_json: bool) -> None:
 @click.argument("topic")
 @click.argument("group")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Drop it even while subscribers hold its partitions.")
 @click.pass_context
 @friendly
-def groups_drop(ctx: click.Context, topic: str, group: str, yes: bool) -> None:
+def groups_drop(ctx: click.Context, topic: str, group: str, yes: bool, force: bool) -> None:
     """Drop GROUP from TOPIC: its watermarks, leases, delivery states and subscribers, in one transaction
-    (asks first unless --yes). Garbage collection stops waiting for it; its dead letters stay."""
+    (asks first unless --yes; refused while a subscriber holds a partition, unless --force). Garbage
+    collection stops waiting for it; its dead letters stay."""
     with connect(ctx) as (engine, conn):
         _existing(ctx, engine, conn, topic)
         conn.rollback()  # hold nothing while the topic works on its own connection
         if not yes:
             click.confirm(f"drop group {group!r} of topic {topic!r}?", abort=True)
-        if not _topic(engine, ctx, topic).drop_group(group):
+        if not _topic(engine, ctx, topic).drop_group(group, force=force):
             raise Fail(f"group {group!r} does not read topic {topic!r}: nothing dropped")
     click.echo(f"{topic}: group {group!r} dropped")
 

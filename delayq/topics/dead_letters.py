@@ -30,6 +30,7 @@ from delayq.topics.names import (
     check_message_id,
     check_partition_key,
     dead_letter_topic,
+    has_dead_letter_topic,
     partition_for,
 )
 from delayq.topics.statements import ACKED, TopicStatements
@@ -65,7 +66,7 @@ def bury(
     """
     topic = key["topic_name"]
     dlq = dead_letter_topic(topic)
-    if len(dlq) > MAX_TOPIC_LENGTH:
+    if not has_dead_letter_topic(topic):
         raise InvalidInputError(
             f"topic {topic!r} has no dead-letter topic ({dlq!r} would be over {MAX_TOPIC_LENGTH} characters): "
             "ack or nack the message instead"
@@ -78,9 +79,8 @@ def bury(
     now = int(conn.execute(stmts.now, now_param).scalar_one())
     if conn.execute(stmts.partitions, {"topic_name": dlq}).scalar() is None:
         # A dead letter of a dead letter whose subscriber did not create it (max_attempts=None): a whole topic.
+        # (A topic's row comes with every partition's head row: nothing to create when it is there.)
         ensure_topic(conn, stmts, dlq, int(conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one()), now)
-    else:
-        conn.execute(stmts.create_head, {"topic_name": dlq, "part": key["part"]})
     group, offset = key["group"], int(message.message_offset)
     extra = {
         "original_topic": topic,

@@ -59,6 +59,12 @@ def dead_letter_topic(topic: str) -> str:
     return topic + DLQ_SUFFIX
 
 
+def has_dead_letter_topic(topic: str) -> bool:
+    """Whether ``topic`` can have a dead-letter topic: not one of 97-100 characters (itself a dead-letter
+    topic, of a 93-96 character topic), whose ``{topic}_dlq`` would not fit."""
+    return len(topic) <= MAX_TOPIC_NAME
+
+
 def partition_for(key: str, partitions: int) -> int:
     """The partition of a key: CRC-32 of its UTF-8 bytes modulo the partition count.
 

@@ -213,6 +213,20 @@ class TopicStatements:
                 sa.select(off.c.partition).where(off.c.consumer_group == group, off.c.topic == topic)
             ),
         )
+        # The group's states at or below its watermark of their partition, of every partition at once
+        # (a Spark query's commit, which moves the watermarks of many partitions).
+        passed = (
+            sa.select(off.c.acked_offset)
+            .where(
+                off.c.consumer_group == dl.c.consumer_group,
+                off.c.topic == dl.c.topic,
+                off.c.partition == dl.c.partition,
+            )
+            .scalar_subquery()
+        )
+        self.forget_passed_states = sa.delete(dl).where(
+            dl.c.consumer_group == group, dl.c.topic == topic, dl.c.message_offset <= passed
+        )
         self.messages = sa.select(
             log.c.message_offset,
             log.c.partition_key,
@@ -320,6 +334,7 @@ class TopicStatements:
             .with_for_update()
         )
         # -- dropping a group (``Topic.drop_group``): leases first, as its polls lock them --------------
+        self.lock_group_leases = self.group_leases.with_for_update()
         self.drop_leases = sa.delete(le).where(group_leases)
         self.drop_offsets = sa.delete(off).where(off.c.consumer_group == group, off.c.topic == topic)
         self.drop_states = sa.delete(dl).where(dl.c.consumer_group == group, dl.c.topic == topic)

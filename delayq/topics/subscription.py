@@ -26,7 +26,13 @@ from delayq.serializers import JsonSerializer, Serializer
 from delayq.topics.context import TopicContext
 from delayq.topics.dead_letters import bury
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
-from delayq.topics.names import MAX_TOPIC_NAME, check_group, check_subscriber, check_topic_stored, dead_letter_topic
+from delayq.topics.names import (
+    check_group,
+    check_subscriber,
+    check_topic_stored,
+    dead_letter_topic,
+    has_dead_letter_topic,
+)
 from delayq.topics.statements import PENDING, TopicStatements
 from delayq.topics.topic import ensure_topic
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
@@ -80,7 +86,7 @@ class Subscription:
         transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
         self.topic = check_topic_stored(topic)
-        if max_attempts is not None and len(self.topic) > MAX_TOPIC_NAME:
+        if max_attempts is not None and not has_dead_letter_topic(self.topic):
             raise InvalidInputError(
                 f"topic {topic!r} is too long for a dead-letter topic of its own: pass max_attempts=None"
             )
@@ -167,7 +173,7 @@ class Subscription:
         self.ctx.runner.run(using, op, "statement")
 
     def rebalance(self, *, busy: Collection[int] = (), leaving: bool = False, using: Using = None) -> dict[int, int]:
-        """Heartbeat, renew the leases held, then hold the fair share: ``ceil(partitions / live subscribers)``.
+        """Renew the leases held, heartbeat, then hold the fair share: ``ceil(partitions / live subscribers)``.
 
         Partitions beyond the share are released: first those not in ``busy`` (a worker passes the
         partitions it has deliveries in flight for, whose acks a release would fence out), the
@@ -186,11 +192,12 @@ class Subscription:
             stmts = self.ctx.stmts(dialect)
             now = self.ctx.now(conn, stmts)
             g = {"group": self.group, "topic_name": self.topic, "me": self.name}
+            until = now + self._lease_ms
+            # The leases before the subscriber's row, as a poll, a close and a drop of the group take them.
+            conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
             conn.execute(stmts.heartbeat, {**g, "now_v": now})
             live = int(conn.execute(stmts.live_subscribers, {**g, "live_after": now - self._lease_ms}).scalar_one())
             share = math.ceil(partitions / max(live, 1))
-            until = now + self._lease_ms
-            conn.execute(stmts.renew, {**g, "until": until})  # locks exactly the rows this subscriber holds
             mine = {int(r.partition): int(r.epoch) for r in conn.execute(stmts.my_leases, g)}
             if leaving:
                 idle = [p for p in mine if p not in busy]
@@ -584,7 +591,7 @@ class Subscription:
             try:
                 payload = self._decode(row)
             except SerializationMismatchError as exc:
-                if len(self.topic) <= MAX_TOPIC_NAME:  # else no dead-letter topic: it stays in flight, undelivered
+                if has_dead_letter_topic(self.topic):  # else no dead-letter topic: it stays in flight, undelivered
                     doomed[o] = (again.get(o, 0), str(exc))
                 continue
             out.append(self._delivery(row, partition, epoch, again.get(o, 0) + 1, until, payload))

@@ -164,21 +164,35 @@ class Topic:
             deleted += self.ctx.runner.run(using, functools.partial(self._collect, partition=partition), "transaction")
         return deleted
 
-    def drop_group(self, group: str, *, using: Using = None) -> bool:
+    def drop_group(self, group: str, *, force: bool = False, using: Using = None) -> bool:
         """Remove consumer group ``group`` from this topic: its leases, watermarks, delivery states and
         subscribers, in one transaction. Returns whether it had any of them.
 
-        Garbage collection stops waiting for it. Stop its subscribers first: one still running holds
-        nothing any more (its acks and polls change nothing), and when it joins again (a restart) the
-        group starts anew, where its ``start`` says. Its dead letters stay in ``{name}_dlq`` (purge them,
-        or requeue them once the group reads the topic again).
+        Garbage collection stops waiting for it. A group whose partitions a subscriber holds (a lease not
+        expired) is refused with ``InvalidInputError``, nothing dropped: close its subscribers first, or
+        let their leases expire (a subscriber that died). ``force=True`` drops it anyway: a subscriber of
+        it still running then holds nothing and gets nothing (its acks and polls change nothing) until it
+        joins again (a restart), when the group starts anew, where its ``start`` says. Its dead letters
+        stay in ``{name}_dlq`` (purge them, or requeue them once the group reads the topic again).
         """
         check_group(group)
 
         def op(conn: Connection, dialect: Dialect) -> bool:
             stmts = self.ctx.stmts(dialect)
             g = {"group": group, "topic_name": self.name}
-            # The leases first: a poll or an ack of the group locks its lease row, then the other rows.
+            now = self.ctx.now(conn, stmts)
+            # The leases first, locked (a poll or an ack of the group locks its lease row, then the other rows).
+            leases = conn.execute(stmts.lock_group_leases, g).all()
+            held: dict[str, list[str]] = {}
+            for r in sorted(leases, key=lambda r: (r.holder or "", r.partition)):
+                if r.holder is not None and r.expires_at > now:
+                    held.setdefault(r.holder, []).append(str(r.partition))
+            if held and not force:
+                who = "; ".join(f"{h} holds partition{'s' * (len(p) > 1)} {', '.join(p)}" for h, p in held.items())
+                raise InvalidInputError(
+                    f"group {group!r} of topic {self.name!r} has live subscribers ({who}): "
+                    "close them first, or force the drop (force=True, --force)"
+                )
             found = [
                 int(conn.execute(statement, g).rowcount)
                 for statement in (stmts.drop_leases, stmts.drop_offsets, stmts.drop_states, stmts.drop_subscribers)
