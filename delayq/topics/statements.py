@@ -19,11 +19,11 @@ from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
 from delayq.schema import TopicTables, make_tables
+from delayq.topics._status import ACKED as ACKED
+from delayq.topics._status import DEAD as DEAD
+from delayq.topics._status import PENDING as PENDING
 
 S = TypeVar("S")
-
-PENDING, ACKED, DEAD = 0, 1, 2
-"""A delivery's status: in flight or waiting out a nack; acked; dead-lettered."""
 
 
 def _bp(name: str, type_: Any = sa.BigInteger) -> Any:
