@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
 from delayq.schema import TopicTables, make_tables
+from delayq.topics import _backends
 from delayq.topics._status import ACKED as ACKED
 from delayq.topics._status import DEAD as DEAD
 from delayq.topics._status import PENDING as PENDING
@@ -77,7 +78,7 @@ class TopicStatements:
             topic=topic, partition=part, head=0, collected=0
         )
         head_key = sa.and_(heads.c.topic == topic, heads.c.partition == part)
-        # (The heads a batch moved are set by ``Dialect.topic_set_heads``: one statement.)
+        # (The heads a batch moved are set by ``_backends.set_heads``: one statement.)
         # Locked in ascending partition order (PostgreSQL locks the rows as the sort emits them; InnoDB
         # as it walks the primary key), as every publisher does: two batches cannot deadlock.
         self.lock_heads = _locking(
@@ -87,7 +88,7 @@ class TopicStatements:
             [heads.c.partition, heads.c.head, now.label("now")],
             order_by=heads.c.partition,
         )
-        # The shared shape of ``Dialect.topic_existing_ids`` (PostgreSQL looks the ids up otherwise).
+        # The shared shape of ``_backends.existing_ids`` (PostgreSQL looks the ids up otherwise).
         self.existing_ids = sa.select(log.c.partition_key, log.c.message_id).where(
             log.c.topic == topic,
             sa.tuple_(log.c.partition_key, log.c.message_id).in_(sa.bindparam("pairs", expanding=True)),
@@ -241,7 +242,7 @@ class TopicStatements:
             dl.c.attempts == _bp("attempt_no", sa.Integer),
         )
         self.ack = sa.update(dl).where(this).values(status=ACKED)
-        # The shared shape of ``Dialect.topic_ack``: several deliveries of a partition, each by its
+        # The shared shape of ``_backends.ack``: several deliveries of a partition, each by its
         # (offset, attempt count); MySQL/MariaDB (no UPDATE … RETURNING) and PostgreSQL ack otherwise.
         self.ack_pairs = (
             sa.update(dl)
@@ -324,20 +325,20 @@ class TopicStatements:
         self.drop_subscribers = sa.delete(sub).where(sub.c.consumer_group == group, sub.c.topic == topic)
         self.remove = sa.delete(log).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
 
-    # The operations whose shape differs per backend (``Dialect.topic_*``).
+    # The operations whose shape differs per backend (``delayq.topics._backends``).
     def existing_ids_of(self, conn: Connection, topic: str, pairs: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-        """See ``Dialect.topic_existing_ids``."""
-        return self.kind.topic_existing_ids(conn, self, topic, pairs)
+        """See ``_backends.existing_ids``."""
+        return _backends.existing_ids(conn, self, topic, pairs)
 
     def set_heads(self, conn: Connection, topic: str, heads: Mapping[int, int]) -> None:
-        """See ``Dialect.topic_set_heads``."""
-        self.kind.topic_set_heads(conn, self, topic, heads)
+        """See ``_backends.set_heads``."""
+        _backends.set_heads(conn, self, topic, heads)
 
     def ack_each(
         self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
     ) -> set[tuple[int, int]]:
-        """See ``Dialect.topic_ack``."""
-        return self.kind.topic_ack(conn, self, key, pairs)
+        """See ``_backends.ack``."""
+        return _backends.ack(conn, self, key, pairs)
 
     def memo(self, build: Callable[..., S], *args: Any) -> S:
         """``build(self, *args)``, made once: a statement of one backend's own over these tables
