@@ -14,6 +14,10 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
+from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
+from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
+from delayq.dialects._pg_listen import PING as PING
+from delayq.dialects._pg_listen import ListenStalledError as ListenStalledError
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, claim_limit
 from delayq.errors import UnsupportedDatabaseError
 from delayq.schema import Tables
@@ -46,18 +50,6 @@ _TRANSIENT = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
 def _sqlstate(exc: DBAPIError) -> str:
     orig = exc.orig
     return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
-
-
-PING = ""
-"""The payload of the listener's own test notification (no queue has an empty name)."""
-LISTEN_PING_AFTER = 10.0
-"""Seconds without a notification after which the listener checks its connection."""
-LISTEN_PING_TIMEOUT = 5.0
-"""Seconds the listener waits for its test notification before it gives up on the connection."""
-
-
-class ListenStalledError(Exception):
-    """The LISTEN connection stopped delivering notifications; the caller reconnects."""
 
 
 class _BinaryList(list[Any]):
