@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -19,6 +19,7 @@ from delayq.topics._log import append as append
 from delayq.topics._log import append_offsets as append_offsets
 from delayq.topics._log import ensure_topic as ensure_topic
 from delayq.topics.context import TopicContext
+from delayq.topics.dead_letters import CHUNK, Selection, TopicDeadLetter, dead_offsets, list_dead, purge, requeue
 from delayq.topics.names import (
     check_group,
     check_message_id,
@@ -30,9 +31,6 @@ from delayq.topics.names import (
 )
 from delayq.topics.statements import TopicStatements
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
-
-if TYPE_CHECKING:
-    from delayq.topics.dead_letters import Selection, TopicDeadLetter
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,6 @@ class Topic:
         return self.ctx.runner.run(using, op, "transaction")
 
     # -- dead letters ---------------------------------------------------------------------------
-    # (delayq.topics.dead_letters builds on ``append`` below: imported where used.)
     def dead_letters(
         self,
         *,
@@ -203,7 +200,6 @@ class Topic:
     ) -> list[TopicDeadLetter]:
         """The topic's dead letters (the messages of ``{name}_dlq``), by partition and offset, at most
         ``limit``: of one consumer group or all, with this partition key and/or original message id."""
-        from delayq.topics.dead_letters import Selection, list_dead
 
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
@@ -235,7 +231,6 @@ class Topic:
         it. Its publication and the deletion of the dead letter commit together, 500 dead letters
         per transaction. A dead letter of a group that no longer reads the topic stays where it is.
         """
-        from delayq.topics.dead_letters import Selection, requeue
 
         sel = Selection.of(group, key, message_id, everything, "requeue_dead")
         n = self.partitions(using=using)
@@ -253,7 +248,6 @@ class Topic:
         using: Using = None,
     ) -> int:
         """Delete dead letters from ``{name}_dlq`` (selected as for ``requeue_dead``); how many."""
-        from delayq.topics.dead_letters import Selection, purge
 
         sel = Selection.of(group, key, message_id, everything, "purge_dead")
         return self._each_chunk(
@@ -266,7 +260,6 @@ class Topic:
         using: Using,
         act: Callable[[Connection, TopicStatements, list[tuple[int, int]]], int],
     ) -> int:
-        from delayq.topics.dead_letters import CHUNK, dead_offsets
 
         n = self.partitions(using=using)
         found = self.ctx.runner.run(
