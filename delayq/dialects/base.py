@@ -89,7 +89,6 @@ class Statements:
         self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         self.tables = tables
-        self.notifies = notify
         self.now = now
         queue, key = _bp("queue_name", sa.String), _bp("msg_key", sa.String)
         by_key = sa.and_(m.c.queue == queue, m.c.key == key)
@@ -161,11 +160,6 @@ class Statements:
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
         # Deliveries of several claims: each id with its own token.
         self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token))
-        self.retry = (
-            sa.update(m)
-            .where(held)
-            .values(scheduled_at=now + _bp("delay"), lock_token=None, last_error=_bp("error", sa.Text))
-        )
         # Never shortens a lock: a heartbeat that ran late or a smaller ``by`` keeps the later expiry.
         extended = self.extended_expiry = dialect.greatest(m.c.scheduled_at, now + _bp("by"))
         self.extend = sa.update(m).where(held).values(scheduled_at=extended)

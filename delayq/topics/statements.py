@@ -179,11 +179,6 @@ class TopicStatements:
             .where(off.c.consumer_group == group, off.c.topic == topic)
             .order_by(off.c.partition)
         )
-        self.group_leases = (
-            sa.select(le.c.partition, le.c.holder, le.c.epoch, le.c.acquired_at, le.c.expires_at)
-            .where(group_leases)
-            .order_by(le.c.partition)
-        )
         self.set_watermark = sa.update(off).where(off_key).values(acked_offset=_bp("acked"), updated_at=_bp("now_v"))
         # The group's watermark and the head of each partition: of the whole group (``group_progress``,
         # for a subscriber holding many partitions), or of the partitions ``:parts`` (``with_work``).
@@ -260,7 +255,6 @@ class TopicStatements:
         )
         self.visible_until = sa.select(dl.c.invisible_until).where(dl_part, dl.c.message_offset == _bp("offset"))
         self.bury = sa.update(dl).where(this).values(status=DEAD, last_error=_bp("error", sa.Text))
-        self.state_error = sa.select(dl.c.last_error).where(dl_part, dl.c.message_offset == _bp("offset"))
 
         # -- garbage collection ------------------------------------------------------------------------
         lowest = (
