@@ -19,10 +19,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.schema import Tables
-
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from delayq.schema import Tables  # (schema builds on dialects.types: its column types)
 
 S = TypeVar("S")
 

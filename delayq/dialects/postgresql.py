@@ -20,10 +20,11 @@ from delayq.dialects._pg_listen import PING as PING
 from delayq.dialects._pg_listen import ListenStalledError as ListenStalledError
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, claim_limit
 from delayq.errors import UnsupportedDatabaseError
-from delayq.schema import Tables
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from delayq.schema import Tables  # (schema builds on dialects.types: its column types)
 
 CLAIM_IDLE_TIMEOUT_S = 30
 """Seconds a batch claim's transaction may sit idle on the server before the server ends it (see ``claim_begin``)."""
