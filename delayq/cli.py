@@ -748,7 +748,7 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
 
 # -- topics --------------------------------------------------------------------------------------------
 def _add_topics() -> None:
-    from delayq.topics.cli import topics  # its commands build on the helpers above
+    from delayq.topics.cli import topics  # (its commands build on delayq._cli_common, as these do)
 
     main.add_command(topics)
 
