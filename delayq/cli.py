@@ -7,26 +7,38 @@ line saying what to do and exits with code 2, without a traceback.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import importlib
-import importlib.util
 import json
 import logging
-import os
 import re
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import click
 import sqlalchemy as sa
 
 from delayq import engines, migrations
+from delayq._cli_common import ASYNC_DRIVERS as ASYNC_DRIVERS
+from delayq._cli_common import DRIVER_HINTS as DRIVER_HINTS
+from delayq._cli_common import INSTALL as INSTALL
+from delayq._cli_common import OTHER_DRIVERS as OTHER_DRIVERS
+from delayq._cli_common import STATE_COLOURS as STATE_COLOURS
+from delayq._cli_common import Fail as Fail
+from delayq._cli_common import _cell, opened
+from delayq._cli_common import check_schema as check_schema
+from delayq._cli_common import check_sqlite_file as check_sqlite_file
+from delayq._cli_common import check_url as check_url
+from delayq._cli_common import connect as connect
+from delayq._cli_common import emit as emit
+from delayq._cli_common import friendly as friendly
+from delayq._cli_common import json_value as json_value
+from delayq._cli_common import relative as relative
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
-from delayq.errors import DelayqError, install_hint
+from delayq.errors import install_hint
 from delayq.handler import Handler
 from delayq.humanize import human, shorten
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
@@ -36,113 +48,6 @@ from delayq.worker import Worker
 
 DEFAULT_URL = "sqlite:///delayq.db"
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class Fail(click.ClickException):
-    """One line on stderr, exit code 2."""
-
-    exit_code = 2
-
-
-def friendly(command: Callable[P, R]) -> Callable[P, R]:
-    """Turn the errors a user can act on into one line and exit code 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return command(*args, **kwargs)
-        except DelayqError as exc:
-            raise Fail(str(exc)) from None
-        except sa.exc.NoSuchModuleError as exc:
-            hint = ""
-            if "postgres" in str(exc) and "postgresql" not in str(exc):
-                hint = " (write postgresql+psycopg://..., not postgres://...)"
-            raise Fail(f"unsupported database URL: {exc}{hint}") from None
-        except sa.exc.ArgumentError as exc:
-            raise Fail(f"bad database URL: {exc}") from None
-        except ValueError as exc:  # a URL part SQLAlchemy cannot read (a port that is no number, ...)
-            raise Fail(f"bad database URL: {exc}") from None
-        except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:  # unreachable, a schema that is not there
-            raise Fail(f"cannot use the database: {str(exc.orig).strip().splitlines()[0]}") from None
-        except ModuleNotFoundError as exc:
-            raise Fail(
-                f"the database driver is not installed ({exc.name}): {DRIVER_HINTS.get(exc.name or '', INSTALL)}"
-            ) from None
-
-    return wrapper
-
-
-INSTALL = f"{install_hint('postgres')} (psycopg), or the mysql extra (mysqlclient)"
-DRIVER_HINTS = {
-    "psycopg": install_hint("postgres"),
-    "MySQLdb": install_hint("mysql"),
-    "pymysql": f"pip install pymysql, or write mysql+mysqldb://... and {install_hint('mysql')}",
-    "psycopg2": f"pip install psycopg2-binary, or write postgresql+psycopg://... and {install_hint('postgres')}",
-}
-OTHER_DRIVERS = {
-    # URL driver name -> (its module, the driver delayq is built and tested on, as a URL and an extra)
-    "psycopg2": ("psycopg2", f"postgresql+psycopg://... ({install_hint('postgres')})"),
-    "pymysql": ("pymysql", f"mysql+mysqldb://... ({install_hint('mysql')})"),
-}
-"""Synchronous drivers SQLAlchemy knows that delayq is not tested on: a note when installed, a hint when not."""
-ASYNC_DRIVERS = {
-    "asyncpg": "postgresql+psycopg://",
-    "psycopg_async": "postgresql+psycopg://",
-    "aiosqlite": "sqlite:///",
-    "asyncmy": "mysql+mysqldb://",
-    "aiomysql": "mysql+mysqldb://",
-}
-
-
-def check_url(url: str) -> sa.engine.URL | None:
-    """The parsed URL; a ``Fail`` for an asyncio driver or a SQLite file that is not there (never created here)."""
-    try:
-        parsed = sa.engine.make_url(url)
-    except (sa.exc.ArgumentError, ValueError):
-        return None  # the command reports a bad URL
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-        raise Fail(
-            "sqlite:///:memory: is a database of one process, gone when the command ends: "
-            "give a file, e.g. --url sqlite:///delayq.db"
-        )
-    driver = parsed.get_driver_name()
-    sync = ASYNC_DRIVERS.get(driver)
-    if sync is not None:
-        raise Fail(
-            f"{parsed.drivername} is an asyncio driver, for the delayq.aio API: the command line needs a "
-            f"synchronous one, e.g. {sync}... with the same host and database"
-        )
-    if driver in OTHER_DRIVERS:
-        module, tested = OTHER_DRIVERS[driver]
-        if not _importable(module):
-            raise Fail(f"the database driver is not installed ({module}): {DRIVER_HINTS[module]}")
-        current = click.get_current_context(silent=True)
-        noted = current.meta.setdefault("delayq_noted_urls", set()) if current else set()
-        if url not in noted:  # once per command, not at every refresh of stats --watch
-            noted.add(url)
-            click.echo(
-                f"note: {parsed.drivername}:// uses {module}, which delayq is not tested on: it is on {tested}",
-                err=True,
-            )
-    return parsed
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that fails, or a module in sys.modules without a spec
-        return module in sys.modules and sys.modules[module] is not None
-
-
-def check_sqlite_file(parsed: sa.engine.URL | None) -> None:
-    """A read-only command on a SQLite file that does not exist fails instead of creating it."""
-    if parsed is None or parsed.get_backend_name() != "sqlite":
-        return
-    database = parsed.database or ""
-    if database and database != ":memory:" and not database.startswith("file:") and not os.path.exists(database):
-        raise Fail(f"no SQLite database at {database}: run `delayq migrate` there first, or give --url")
 
 
 class AnywhereOptions(click.Group):
@@ -186,38 +91,6 @@ def main(ctx: click.Context, url: str, prefix: str) -> None:
     ctx.obj = {"url": url, "prefix": prefix}
 
 
-@contextmanager
-def connect(ctx: click.Context) -> Iterator[tuple[sa.Engine, sa.Connection]]:
-    """A connection to a database whose tables are at this delayq's revision, every call on it bounded."""
-    check_sqlite_file(check_url(ctx.obj["url"]))
-    engine = engines.create_engine(ctx.obj["url"])
-    try:
-        with engines.read_bound(engine), _opened(engine) as conn:
-            check_schema(conn, ctx.obj["prefix"])
-            yield engine, conn
-    finally:
-        engine.dispose()
-
-
-def _opened(engine: sa.Engine) -> sa.Connection:
-    try:
-        return engine.connect()
-    except TypeError as exc:  # mysqlclient's answer to a URL option it does not know
-        raise Fail(f"bad database URL: {exc}") from None
-
-
-def check_schema(conn: sa.Connection, prefix: str) -> None:
-    """``Fail`` unless delayq's tables are there, at the revision this delayq needs."""
-    tables = make_tables(prefix)
-    if not sa.inspect(conn).has_table(tables.messages.name):
-        raise Fail(
-            f"delayq's tables ({tables.messages.name}, ...) are not in this database: run "
-            "`delayq migrate` with the same --url"
-        )
-    migrations.check_revision(conn, tables)
-    conn.rollback()
-
-
 def unknown_queue_note(ctx: click.Context, conn: sa.Connection, name: str) -> str:
     """Empty for a queue the database knows of; else a note that it has nothing at all, and which queues do.
 
@@ -241,52 +114,6 @@ KNOWN_SHOWN = 10
 def admin_queue(engine: sa.Engine, ctx: click.Context, name: str) -> DelayedQueue:
     # Operations that move messages do not decode payloads: any serializer's rows qualify.
     return DelayedQueue(engine, name, table_prefix=ctx.obj["prefix"], serializer=BytesSerializer())
-
-
-STATE_COLOURS = {
-    "ready": "green",
-    "scheduled": "cyan",
-    "in-flight": "yellow",
-    "expired-lock": "magenta",
-    "dead": "red",
-}
-
-
-def emit(rows: list[dict[str, Any]], as_json: bool, columns: list[str]) -> None:
-    """Rows as JSON, or as a table (headers bold and states coloured when stdout is a terminal)."""
-    if as_json:
-        click.echo(json.dumps(rows, indent=2, default=json_value))
-        return
-    if not rows:
-        click.echo("(nothing)")
-        return
-    widths = {c: max(len(c), *(len(_cell(r[c])) for r in rows)) for c in columns}
-    click.echo(click.style("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip(), bold=True))
-    for r in rows:
-        cells = []
-        for c in columns:
-            text = _cell(r[c]).ljust(widths[c])
-            colour = STATE_COLOURS.get(r[c]) if c == "state" else None
-            cells.append(click.style(text, fg=colour) if colour else text)
-        click.echo("  ".join(cells).rstrip())
-
-
-def json_value(value: object) -> str:
-    """What JSON output writes for a value JSON has no type for: times in ISO 8601 (with ``T``), as everywhere."""
-    return value.isoformat() if isinstance(value, dt.datetime | dt.date | dt.time) else str(value)
-
-
-def relative(at: dt.datetime | None, now: dt.datetime) -> str | None:
-    """``in 5m 00s`` or ``3.0s ago``."""
-    if at is None:
-        return None
-    return f"in {human(at - now)}" if at > now else f"{human(now - at)} ago"
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    return value if isinstance(value, str) else json.dumps(value, default=json_value)
 
 
 # -- setup --------------------------------------------------------------------------------------------
@@ -385,7 +212,7 @@ def worker(
     check_sqlite_file(check_url(ctx.obj["url"]))
     engine = worker_engine(ctx.obj["url"], concurrency)
     try:
-        with engines.read_bound(engine), _opened(engine) as conn:
+        with engines.read_bound(engine), opened(engine) as conn:
             check_schema(conn, ctx.obj["prefix"])  # fail now, in one line, before any loop starts
         w = Worker(
             engine,
@@ -950,7 +777,7 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
 
 # -- topics --------------------------------------------------------------------------------------------
 def _add_topics() -> None:
-    from delayq.topics.cli import topics  # its commands build on the helpers above
+    from delayq.topics.cli import topics  # (its commands build on delayq._cli_common, as these do)
 
     main.add_command(topics)
 

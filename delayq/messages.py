@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from delayq.history import AttemptRecord
 
 if TYPE_CHECKING:
-    from delayq.queue import DelayedQueue, Using
+    from sqlalchemy.engine import Engine
+
+    from delayq.transactions import Using
 
 
 class OfferOutcome(enum.Enum):
@@ -77,6 +80,26 @@ class QueueStats:
     """How long the oldest due message (ready or with an expired lock) has waited; None when none."""
 
 
+class _Owner(Protocol):
+    """What a ``Delivery`` asks of the queue that made it (``delayq.queue.DelayedQueue``, which builds on
+    this module)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine(self) -> Engine: ...
+    def headers(self, key: str, *, using: Using = None) -> dict[str, str]: ...
+    def attempt_history(self, key: str, *, using: Using = None) -> tuple[AttemptRecord, ...]: ...
+    def ack_many(self, deliveries: Sequence[Delivery], *, skip_locked: bool = False, using: Using = None) -> int: ...
+    def _retry(
+        self, d: Delivery, delay: dt.timedelta, error: str | None, using: Using, exception: BaseException | None = None
+    ) -> bool: ...
+    def _extend(self, d: Delivery, by: dt.timedelta, using: Using) -> bool: ...
+    def _dead_letter(
+        self, d: Delivery, error: str | None, using: Using, exception: BaseException | None = None
+    ) -> bool: ...
+
+
 @dataclass(slots=True, eq=False)
 class Delivery:
     """A message a consumer holds under a lock until it acks, retries, or the lock expires.
@@ -98,7 +121,7 @@ class Delivery:
     locked_until: dt.datetime
     """When the lock expires unless extended."""
     lock_token: str
-    _queue: DelayedQueue = field(repr=False)
+    _queue: _Owner = field(repr=False)
     _history: tuple[AttemptRecord, ...] | None = field(default=None, repr=False)
 
     @property

@@ -465,7 +465,7 @@ def test_urls_of_drivers_delayq_is_not_tested_on_get_the_hint(
     if not installed:
         monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     elif not really:
-        monkeypatch.setattr("delayq.cli._importable", lambda _: True)  # as if it were
+        monkeypatch.setattr("delayq._cli_common._importable", lambda _: True)  # as if it were
     result = CliRunner().invoke(main, ["--url", url, "stats"])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     if not installed:

@@ -9,10 +9,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from delayq.dialects import dialect_class
-from delayq.dialects import mysql as mysql_dialect
-from delayq.dialects import postgresql as postgresql_dialect
-from delayq.dialects.base import set_heads_case
 from delayq.schema import make_tables
+from delayq.topics import _backends
+from delayq.topics._backends import set_heads_case
 from delayq.topics.statements import TopicStatements
 
 DIALECTS = {
@@ -105,7 +104,7 @@ def test_the_id_lookup_of_a_batch() -> None:
     )
     # PostgreSQL: two arrays, each pair probed through the unique index (LATERAL … LIMIT 1 stays a
     # nested loop, where a plain join on stale statistics hashes the topic's whole log).
-    assert built("postgresql", postgresql_dialect._existing_ids_unnest) == (
+    assert built("postgresql", _backends._existing_ids_unnest) == (
         "SELECT asked.keys AS partition_key, asked.ids AS message_id"
         " FROM unnest(%(keys)s::VARCHAR[], %(ids)s::VARCHAR[]) AS asked(keys, ids)"
         " JOIN LATERAL (SELECT 1 AS found FROM delayq_topic_log WHERE delayq_topic_log.topic = %(topic_name)s::VARCHAR"
@@ -115,7 +114,7 @@ def test_the_id_lookup_of_a_batch() -> None:
 
 
 def test_the_heads_of_a_batch_are_one_update() -> None:
-    assert built("postgresql", postgresql_dialect._set_heads_unnest) == (
+    assert built("postgresql", _backends._set_heads_unnest) == (
         "UPDATE delayq_topic_heads SET head=moved.new_heads"
         " FROM unnest(%(parts)s::INTEGER[], %(new_heads)s::BIGINT[]) AS moved(parts, new_heads)"
         " WHERE delayq_topic_heads.topic = %(topic_name)s::VARCHAR AND delayq_topic_heads.partition = moved.parts"
@@ -134,12 +133,12 @@ def test_ack_many_is_one_update_per_partition_fenced_by_each_attempt() -> None:
         "(delayq_topic_deliveries.message_offset, delayq_topic_deliveries.attempts) IN (__[POSTCOMPILE_pairs])"
         " RETURNING message_offset, attempts"
     )
-    sql = built("postgresql", postgresql_dialect._ack_unnest)
+    sql = built("postgresql", _backends._ack_unnest)
     assert "FROM unnest(%(offsets)s::BIGINT[], %(attempt_nos)s::INTEGER[]) AS acked(offsets, attempt_nos)" in sql
     assert "delayq_topic_deliveries.attempts = acked.attempt_nos AND delayq_topic_deliveries.status = " in sql
     assert sql.endswith("RETURNING delayq_topic_deliveries.message_offset, delayq_topic_deliveries.attempts")
     # MariaDB has no UPDATE … RETURNING: the pending ones are locked and read first, then updated by offset.
-    sql = built("mysql", mysql_dialect._ackable)
+    sql = built("mysql", _backends._ackable)
     assert "(delayq_topic_deliveries.message_offset, delayq_topic_deliveries.attempts) IN" in sql
     assert sql.endswith("FOR UPDATE")
 

@@ -19,12 +19,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.schema import Tables
-
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from delayq.topics.statements import TopicStatements
+    from delayq.schema import Tables  # (schema builds on dialects.types: its column types)
 
 S = TypeVar("S")
 
@@ -91,7 +89,6 @@ class Statements:
         self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         self.tables = tables
-        self.notifies = notify
         self.now = now
         queue, key = _bp("queue_name", sa.String), _bp("msg_key", sa.String)
         by_key = sa.and_(m.c.queue == queue, m.c.key == key)
@@ -163,11 +160,6 @@ class Statements:
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
         # Deliveries of several claims: each id with its own token.
         self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token))
-        self.retry = (
-            sa.update(m)
-            .where(held)
-            .values(scheduled_at=now + _bp("delay"), lock_token=None, last_error=_bp("error", sa.Text))
-        )
         # Never shortens a lock: a heartbeat that ran late or a smaller ``by`` keeps the later expiry.
         extended = self.extended_expiry = dialect.greatest(m.c.scheduled_at, now + _bp("by"))
         self.extend = sa.update(m).where(held).values(scheduled_at=extended)
@@ -232,6 +224,10 @@ class Dialect:
     #: Whether ``SELECT … FOR UPDATE`` / ``FOR SHARE`` lock rows. Where they do not, a statement that must
     #: read under a lock is a write (see ``delayq.topics.statements``).
     row_locks: ClassVar[bool] = True
+    #: Whether an UPDATE can return the rows it changed (RETURNING).
+    update_returning: ClassVar[bool] = True
+    #: Whether a list binds as one array parameter, which ``unnest`` turns into rows (see ``unnest``).
+    arrays: ClassVar[bool] = False
     #: Client-side timeouts for engines delayq makes itself (``delayq worker``), as connect arguments;
     #: a URL's query overrides each.
     network_timeouts: ClassVar[dict[str, int]] = {}
@@ -440,70 +436,14 @@ class Dialect:
         """An INSERT that, for a row whose ``keys`` exist, updates ``set_`` instead (or does nothing when None)."""
         raise NotImplementedError
 
+    @classmethod
+    def unnest(cls, name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:
+        """Rows from one array parameter per column, as table ``name``; only where ``arrays``."""
+        raise NotImplementedError
+
     def any_of(self, column: sa.ColumnElement[Any], name: str) -> sa.ColumnElement[bool]:
         """``column`` is one of the values of the list bound as ``:name`` (``IN``, expanded per call)."""
         return column.in_(sa.bindparam(name, expanding=True))
-
-    @classmethod
-    def topic_existing_ids(
-        cls, conn: Connection, stmts: TopicStatements, topic: str, pairs: Sequence[tuple[str, str]]
-    ) -> set[tuple[str, str]]:
-        """The ``(partition_key, message_id)`` of ``pairs`` that ``topic``'s log holds, in one read.
-
-        The shared shape: ``(partition_key, message_id) IN ((…), (…))``.
-        """
-        rows = conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": list(pairs)})
-        return {(r.partition_key, r.message_id) for r in rows}
-
-    @classmethod
-    def topic_set_heads(cls, conn: Connection, stmts: TopicStatements, topic: str, heads: Mapping[int, int]) -> None:
-        """Set the head of each partition of ``heads`` (partition -> new head), in one statement.
-
-        The shared shape: ``UPDATE … SET head = CASE partition WHEN :p0 THEN :h0 … END WHERE partition
-        IN (:p0, …)``, one round trip instead of one per partition. Its text depends on the number of
-        slots only, rounded up to a power of two (the last pair repeated), so few statements are
-        compiled and cached; a batch over more than ``HEAD_SLOTS`` partitions takes several.
-        """
-        items = sorted(heads.items())
-        for start in range(0, len(items), HEAD_SLOTS):
-            chunk = items[start : start + HEAD_SLOTS]
-            slots = 1 << (len(chunk) - 1).bit_length()
-            chunk += [chunk[-1]] * (slots - len(chunk))
-            params: dict[str, Any] = {"topic_name": topic}
-            for i, (partition, head) in enumerate(chunk):
-                params[f"p{i}"], params[f"h{i}"] = partition, head
-            conn.execute(stmts.memo(set_heads_case, slots), params)
-
-    @classmethod
-    def topic_ack(
-        cls, conn: Connection, stmts: TopicStatements, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
-    ) -> set[tuple[int, int]]:
-        """Mark acked the pending deliveries ``pairs`` (offset, attempt count) of one partition (``key``); the
-        pairs it marked.
-
-        The shared shape: one ``UPDATE … WHERE status = 0 AND (message_offset, attempts) IN (…)
-        RETURNING message_offset, attempts``.
-        """
-        rows = conn.execute(stmts.ack_pairs, {**key, "pairs": list(pairs)})
-        return {(int(r.message_offset), int(r.attempts)) for r in rows}
-
-
-HEAD_SLOTS = 512
-"""Partitions per statement of ``Dialect.topic_set_heads``'s shared shape (two parameters each)."""
-
-
-def set_heads_case(stmts: TopicStatements, slots: int) -> sa.Update:
-    """UPDATE the head of partition ``:p{i}`` of ``:topic_name`` to ``:h{i}``, for ``i`` below ``slots``."""
-    heads = stmts.tables.heads
-    parts = [sa.bindparam(f"p{i}", type_=sa.Integer) for i in range(slots)]
-    new = sa.case(
-        *((p, sa.bindparam(f"h{i}", type_=sa.BigInteger)) for i, p in enumerate(parts)), value=heads.c.partition
-    )
-    return (
-        sa.update(heads)
-        .where(heads.c.topic == sa.bindparam("topic_name", type_=sa.String), heads.c.partition.in_(parts))
-        .values(head=new)
-    )
 
 
 def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:

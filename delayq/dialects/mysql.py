@@ -9,7 +9,7 @@ would turn every error into a warning, not only the duplicate key.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -30,9 +30,6 @@ from delayq.dialects.base import (
     values_insert,
 )
 from delayq.errors import UnsupportedDatabaseError
-
-if TYPE_CHECKING:
-    from delayq.topics.statements import TopicStatements
 
 # lock wait timeout, deadlock, server shutdown in progress, server gone away, lost connection, can't
 # connect (TCP, socket), lost connection (system error), MariaDB "connection was killed", MySQL "client
@@ -64,6 +61,7 @@ class MySQLDialect(Dialect):
     name: ClassVar[str] = "mysql"
     min_version: ClassVar[tuple[int, ...]] = MYSQL_MIN  # and MariaDB 10.6: SKIP LOCKED
     insert_returns_created: ClassVar[bool] = False
+    update_returning: ClassVar[bool] = False  # MariaDB has no UPDATE … RETURNING
     # mysqlclient: a statement whose reply does not come in 60 s fails (and is retried by delayq);
     # set read_timeout in the URL for transactional handlers that run longer statements.
     network_timeouts: ClassVar[dict[str, int]] = {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60}
@@ -183,17 +181,6 @@ class MySQLDialect(Dialect):
         insert = mysql_insert(table)
         return insert.on_duplicate_key_update(dict(set_) if set_ is not None else {keys[0]: table.c[keys[0]]})
 
-    @classmethod
-    def topic_ack(
-        cls, conn: Connection, stmts: TopicStatements, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
-    ) -> set[tuple[int, int]]:
-        # No UPDATE … RETURNING: lock the pending deliveries among the pairs (by primary key, this
-        # transaction keeps them until it ends), then mark those acked by offset.
-        rows = conn.execute(stmts.memo(_ackable), {**key, "pairs": list(pairs)}).all()
-        if rows:
-            conn.execute(stmts.memo(_ack_offsets), {**key, "offsets": [r.message_offset for r in rows]})
-        return {(int(r.message_offset), int(r.attempts)) for r in rows}
-
 
 def _due_ids(stmts: Statements, limit: int) -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name``, read without locks."""
@@ -219,34 +206,6 @@ def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:
         .where(m.c.id.in_(sa.bindparam("ids", expanding=True)), m.c.scheduled_at <= stmts.now)
         .with_for_update(skip_locked=True)
     )
-
-
-def _pending_of_partition(stmts: TopicStatements) -> sa.ColumnElement[bool]:
-    from delayq.topics.statements import PENDING  # (that module builds on this package)
-
-    dl = stmts.tables.deliveries
-    return sa.and_(
-        dl.c.consumer_group == sa.bindparam("group", type_=sa.String),
-        dl.c.topic == sa.bindparam("topic_name", type_=sa.String),
-        dl.c.partition == sa.bindparam("part", type_=sa.Integer),
-        dl.c.status == PENDING,
-    )
-
-
-def _ackable(stmts: TopicStatements) -> sa.Select[Any]:
-    """The offsets of ``:pairs`` (offset, attempt count) pending in partition ``:part`` of the group, locked."""
-    dl = stmts.tables.deliveries
-    pairs = sa.tuple_(dl.c.message_offset, dl.c.attempts).in_(sa.bindparam("pairs", expanding=True))
-    return sa.select(dl.c.message_offset, dl.c.attempts).where(_pending_of_partition(stmts), pairs).with_for_update()
-
-
-def _ack_offsets(stmts: TopicStatements) -> sa.Update:
-    """Mark acked the pending deliveries ``:offsets`` of partition ``:part`` of the group."""
-    from delayq.topics.statements import ACKED
-
-    dl = stmts.tables.deliveries
-    offsets = dl.c.message_offset.in_(sa.bindparam("offsets", expanding=True))
-    return sa.update(dl).where(_pending_of_partition(stmts), offsets).values(status=ACKED)
 
 
 CLAIM_READS = 4

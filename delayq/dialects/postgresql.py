@@ -14,14 +14,17 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
+from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
+from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
+from delayq.dialects._pg_listen import PING as PING
+from delayq.dialects._pg_listen import ListenStalledError as ListenStalledError
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, claim_limit
 from delayq.errors import UnsupportedDatabaseError
-from delayq.schema import Tables
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from delayq.topics.statements import TopicStatements
+    from delayq.schema import Tables  # (schema builds on dialects.types: its column types)
 
 CLAIM_IDLE_TIMEOUT_S = 30
 """Seconds a batch claim's transaction may sit idle on the server before the server ends it (see ``claim_begin``)."""
@@ -48,18 +51,6 @@ _TRANSIENT = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
 def _sqlstate(exc: DBAPIError) -> str:
     orig = exc.orig
     return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
-
-
-PING = ""
-"""The payload of the listener's own test notification (no queue has an empty name)."""
-LISTEN_PING_AFTER = 10.0
-"""Seconds without a notification after which the listener checks its connection."""
-LISTEN_PING_TIMEOUT = 5.0
-"""Seconds the listener waits for its test notification before it gives up on the connection."""
-
-
-class ListenStalledError(Exception):
-    """The LISTEN connection stopped delivering notifications; the caller reconnects."""
 
 
 class _BinaryList(list[Any]):
@@ -109,6 +100,11 @@ class PostgresDialect(Dialect):
         "tcp_user_timeout": 30_000,
     }
     can_notify: ClassVar[bool] = True
+    arrays: ClassVar[bool] = True
+
+    @classmethod
+    def unnest(cls, name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:
+        return _unnest(name, *columns)
 
     def notifying(self, insert: sa.Insert, tables: Tables) -> sa.Executable:
         # One statement still: NOTIFY rides on the insert and is delivered when the offering
@@ -317,37 +313,6 @@ class PostgresDialect(Dialect):
         # taken while the table was small, filters by the array instead of probing the index with it.
         return column == sa.any_(_array(name, column.type))
 
-    @classmethod
-    def topic_existing_ids(
-        cls, conn: Connection, stmts: TopicStatements, topic: str, pairs: Sequence[tuple[str, str]]
-    ) -> set[tuple[str, str]]:
-        # `(partition_key, message_id) IN (500 pairs)` costs 80-90 ms of planning (500 OR-ed index
-        # conditions); a join to `unnest` of two arrays plans in well under 1 ms, and its LATERAL probe
-        # with LIMIT 1 keeps it a nested loop over the unique index, where a plain join on stale
-        # statistics hashes every log row of the topic.
-        params = {"topic_name": topic, "keys": [k for k, _ in pairs], "ids": [m for _, m in pairs]}
-        return {(r.partition_key, r.message_id) for r in conn.execute(stmts.memo(_existing_ids_unnest), params)}
-
-    @classmethod
-    def topic_set_heads(cls, conn: Connection, stmts: TopicStatements, topic: str, heads: Mapping[int, int]) -> None:
-        # A few heads (a single publish, a dead letter) by the shared CASE, whose IN list probes the primary
-        # key; more by UPDATE … FROM unnest of two arrays, one statement text whatever their number (a
-        # generic plan of it, on statistics taken while the table was small, reads the topic's every head
-        # row: cheap for a batch, ten times the cost of a single publish's one-row update).
-        if len(heads) <= FEW_HEADS:
-            super().topic_set_heads(conn, stmts, topic, heads)
-            return
-        params = {"topic_name": topic, "parts": list(heads), "new_heads": list(heads.values())}
-        conn.execute(stmts.memo(_set_heads_unnest), params)
-
-    @classmethod
-    def topic_ack(
-        cls, conn: Connection, stmts: TopicStatements, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
-    ) -> set[tuple[int, int]]:
-        # The pairs as two arrays (see ``topic_existing_ids``): one statement text, a small plan.
-        params = {**key, "offsets": [o for o, _ in pairs], "attempt_nos": [a for _, a in pairs]}
-        return {(int(r.message_offset), int(r.attempts)) for r in conn.execute(stmts.memo(_ack_unnest), params)}
-
 
 def _picked_held(stmts: Statements) -> sa.CTE:
     return stmts.lock_held_skipping.cte("picked").prefix_with("MATERIALIZED")
@@ -441,62 +406,7 @@ def _insert_unnest(stmts: Statements) -> sa.Insert:
     )
 
 
-FEW_HEADS = 8
-"""Up to this many heads, ``topic_set_heads`` takes the shared CASE."""
-
-
 def _unnest(name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:
     """``unnest(:a, :b, …) AS name(a, b, …)``: rows from one array parameter per column."""
     arrays = [_array(c, t) for c, t in columns]
     return sa.func.unnest(*arrays).table_valued(*(c for c, _ in columns)).render_derived(name=name)
-
-
-def _existing_ids_unnest(stmts: TopicStatements) -> sa.Select[Any]:
-    log = stmts.tables.log
-    asked = _unnest("asked", ("keys", sa.String()), ("ids", sa.String()))
-    found = (
-        sa.select(sa.literal_column("1").label("found"))
-        .where(
-            log.c.topic == sa.bindparam("topic_name", type_=sa.String),
-            log.c.partition_key == asked.c["keys"],
-            log.c.message_id == asked.c.ids,
-        )
-        .limit(claim_limit(1))
-        .lateral("found")
-    )
-    return sa.select(asked.c["keys"].label("partition_key"), asked.c.ids.label("message_id")).select_from(
-        asked.join(found, sa.true())
-    )
-
-
-def _set_heads_unnest(stmts: TopicStatements) -> sa.Update:
-    heads = stmts.tables.heads
-    new = _unnest("moved", ("parts", sa.Integer()), ("new_heads", sa.BigInteger()))
-    return (
-        sa.update(heads)
-        .where(
-            heads.c.topic == sa.bindparam("topic_name", type_=sa.String),
-            heads.c.partition == new.c.parts,
-        )
-        .values(head=new.c.new_heads)
-    )
-
-
-def _ack_unnest(stmts: TopicStatements) -> sa.Update:
-    from delayq.topics.statements import ACKED, PENDING  # (that module builds on this package)
-
-    dl = stmts.tables.deliveries
-    acked = _unnest("acked", ("offsets", sa.BigInteger()), ("attempt_nos", sa.Integer()))
-    return (
-        sa.update(dl)
-        .where(
-            dl.c.consumer_group == sa.bindparam("group", type_=sa.String),
-            dl.c.topic == sa.bindparam("topic_name", type_=sa.String),
-            dl.c.partition == sa.bindparam("part", type_=sa.Integer),
-            dl.c.message_offset == acked.c.offsets,
-            dl.c.attempts == acked.c.attempt_nos,
-            dl.c.status == PENDING,
-        )
-        .values(status=ACKED)
-        .returning(dl.c.message_offset, dl.c.attempts)
-    )

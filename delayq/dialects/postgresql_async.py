@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from delayq.dialects.postgresql import LISTEN_PING_AFTER, LISTEN_PING_TIMEOUT, PING, ListenStalledError
+from delayq.dialects._pg_listen import LISTEN_PING_AFTER, LISTEN_PING_TIMEOUT, PING, ListenStalledError
 
 __all__ = ["notifications"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -54,7 +54,3 @@ class TopicContext:
         if found is None:
             raise InvalidInputError(f"topic {topic!r} does not exist: create it first (Topic.create(partitions=N))")
         return int(found)
-
-
-def row_dict(row: Any) -> dict[str, Any]:
-    return dict(row._mapping)

@@ -25,6 +25,7 @@ from delayq.clock import from_ms
 from delayq.errors import InvalidInputError
 from delayq.schema import MAX_GROUP_LENGTH, MAX_LOG_ID_LENGTH, MAX_MESSAGE_ID_LENGTH, MAX_TOPIC_LENGTH, TopicTables
 from delayq.serializers import Serializer
+from delayq.topics._log import append, append_offsets, ensure_topic
 from delayq.topics.names import (
     check_group,
     check_message_id,
@@ -34,7 +35,6 @@ from delayq.topics.names import (
     partition_for,
 )
 from delayq.topics.statements import ACKED, TopicStatements
-from delayq.topics.topic import append, append_offsets, ensure_topic
 
 DEAD_AGAIN = "~dead-"
 """The tail of a dead letter's second id, ``{group}:{id}~dead-{original offset}`` (``dead_letter_id``)."""

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from delayq.errors import DelayqError
 from delayq.transactions import Using
-
-if TYPE_CHECKING:
-    from delayq.topics.subscription import Subscription
 
 
 class LeaseLostError(DelayqError):
@@ -28,6 +25,18 @@ class DeadLetterInfo:
     failed_at: dt.datetime
     failure_count: int
     last_error: str | None
+
+
+class _Owner(Protocol):
+    """What a ``TopicDelivery`` asks of the subscription that polled it (``delayq.topics.subscription.Subscription``,
+    which builds on this module)."""
+
+    def ack(self, delivery: TopicDelivery, *, using: Using = None) -> bool: ...
+    def nack(
+        self, delivery: TopicDelivery, delay: dt.timedelta = ..., error: str | None = None, *, using: Using = None
+    ) -> bool: ...
+    def extend(self, delivery: TopicDelivery, by: dt.timedelta, *, using: Using = None) -> dt.datetime | None: ...
+    def fail(self, delivery: TopicDelivery, error: str, *, using: Using = None) -> bool: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +59,7 @@ class TopicDelivery:
     invisible_until: dt.datetime
     epoch: int
     dead_letter: DeadLetterInfo | None = None
-    _subscription: Subscription | None = field(default=None, repr=False)
+    _subscription: _Owner | None = field(default=None, repr=False)
 
     def ack(self, *, using: Using = None) -> bool:
         """Mark it done for the group; False when the lease or the delivery was lost (nothing changed)."""
@@ -69,7 +78,7 @@ class TopicDelivery:
         """Move it to the dead-letter topic now; False when the lease or the delivery was lost."""
         return self._sub().fail(self, error, using=using)
 
-    def _sub(self) -> Subscription:
+    def _sub(self) -> _Owner:
         if self._subscription is None:
             raise RuntimeError("this delivery was not made by a Subscription")
         return self._subscription

@@ -19,11 +19,12 @@ from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
 from delayq.schema import TopicTables, make_tables
+from delayq.topics import _backends
+from delayq.topics._status import ACKED as ACKED
+from delayq.topics._status import DEAD as DEAD
+from delayq.topics._status import PENDING as PENDING
 
 S = TypeVar("S")
-
-PENDING, ACKED, DEAD = 0, 1, 2
-"""A delivery's status: in flight or waiting out a nack; acked; dead-lettered."""
 
 
 def _bp(name: str, type_: Any = sa.BigInteger) -> Any:
@@ -77,7 +78,7 @@ class TopicStatements:
             topic=topic, partition=part, head=0, collected=0
         )
         head_key = sa.and_(heads.c.topic == topic, heads.c.partition == part)
-        # (The heads a batch moved are set by ``Dialect.topic_set_heads``: one statement.)
+        # (The heads a batch moved are set by ``_backends.set_heads``: one statement.)
         # Locked in ascending partition order (PostgreSQL locks the rows as the sort emits them; InnoDB
         # as it walks the primary key), as every publisher does: two batches cannot deadlock.
         self.lock_heads = _locking(
@@ -87,7 +88,7 @@ class TopicStatements:
             [heads.c.partition, heads.c.head, now.label("now")],
             order_by=heads.c.partition,
         )
-        # The shared shape of ``Dialect.topic_existing_ids`` (PostgreSQL looks the ids up otherwise).
+        # The shared shape of ``_backends.existing_ids`` (PostgreSQL looks the ids up otherwise).
         self.existing_ids = sa.select(log.c.partition_key, log.c.message_id).where(
             log.c.topic == topic,
             sa.tuple_(log.c.partition_key, log.c.message_id).in_(sa.bindparam("pairs", expanding=True)),
@@ -178,11 +179,6 @@ class TopicStatements:
             .where(off.c.consumer_group == group, off.c.topic == topic)
             .order_by(off.c.partition)
         )
-        self.group_leases = (
-            sa.select(le.c.partition, le.c.holder, le.c.epoch, le.c.acquired_at, le.c.expires_at)
-            .where(group_leases)
-            .order_by(le.c.partition)
-        )
         self.set_watermark = sa.update(off).where(off_key).values(acked_offset=_bp("acked"), updated_at=_bp("now_v"))
         # The group's watermark and the head of each partition: of the whole group (``group_progress``,
         # for a subscriber holding many partitions), or of the partitions ``:parts`` (``with_work``).
@@ -255,7 +251,7 @@ class TopicStatements:
             dl.c.attempts == _bp("attempt_no", sa.Integer),
         )
         self.ack = sa.update(dl).where(this).values(status=ACKED)
-        # The shared shape of ``Dialect.topic_ack``: several deliveries of a partition, each by its
+        # The shared shape of ``_backends.ack``: several deliveries of a partition, each by its
         # (offset, attempt count); MySQL/MariaDB (no UPDATE … RETURNING) and PostgreSQL ack otherwise.
         self.ack_pairs = (
             sa.update(dl)
@@ -275,7 +271,6 @@ class TopicStatements:
         )
         self.visible_until = sa.select(dl.c.invisible_until).where(dl_part, dl.c.message_offset == _bp("offset"))
         self.bury = sa.update(dl).where(this).values(status=DEAD, last_error=_bp("error", sa.Text))
-        self.state_error = sa.select(dl.c.last_error).where(dl_part, dl.c.message_offset == _bp("offset"))
 
         # -- garbage collection ------------------------------------------------------------------------
         lowest = (
@@ -334,27 +329,32 @@ class TopicStatements:
             .with_for_update()
         )
         # -- dropping a group (``Topic.drop_group``): leases first, as its polls lock them --------------
-        self.lock_group_leases = self.group_leases.with_for_update()
+        self.lock_group_leases = (
+            sa.select(le.c.partition, le.c.holder, le.c.epoch, le.c.acquired_at, le.c.expires_at)
+            .where(group_leases)
+            .order_by(le.c.partition)
+            .with_for_update()
+        )
         self.drop_leases = sa.delete(le).where(group_leases)
         self.drop_offsets = sa.delete(off).where(off.c.consumer_group == group, off.c.topic == topic)
         self.drop_states = sa.delete(dl).where(dl.c.consumer_group == group, dl.c.topic == topic)
         self.drop_subscribers = sa.delete(sub).where(sub.c.consumer_group == group, sub.c.topic == topic)
         self.remove = sa.delete(log).where(log_part, log.c.message_offset.in_(sa.bindparam("offsets", expanding=True)))
 
-    # The operations whose shape differs per backend (``Dialect.topic_*``).
+    # The operations whose shape differs per backend (``delayq.topics._backends``).
     def existing_ids_of(self, conn: Connection, topic: str, pairs: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-        """See ``Dialect.topic_existing_ids``."""
-        return self.kind.topic_existing_ids(conn, self, topic, pairs)
+        """See ``_backends.existing_ids``."""
+        return _backends.existing_ids(conn, self, topic, pairs)
 
     def set_heads(self, conn: Connection, topic: str, heads: Mapping[int, int]) -> None:
-        """See ``Dialect.topic_set_heads``."""
-        self.kind.topic_set_heads(conn, self, topic, heads)
+        """See ``_backends.set_heads``."""
+        _backends.set_heads(conn, self, topic, heads)
 
     def ack_each(
         self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
     ) -> set[tuple[int, int]]:
-        """See ``Dialect.topic_ack``."""
-        return self.kind.topic_ack(conn, self, key, pairs)
+        """See ``_backends.ack``."""
+        return _backends.ack(conn, self, key, pairs)
 
     def memo(self, build: Callable[..., S], *args: Any) -> S:
         """``build(self, *args)``, made once: a statement of one backend's own over these tables

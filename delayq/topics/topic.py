@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -15,7 +15,11 @@ from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer, encode
+from delayq.topics._log import append as append
+from delayq.topics._log import append_offsets as append_offsets
+from delayq.topics._log import ensure_topic as ensure_topic
 from delayq.topics.context import TopicContext
+from delayq.topics.dead_letters import CHUNK, Selection, TopicDeadLetter, dead_offsets, list_dead, purge, requeue
 from delayq.topics.names import (
     check_group,
     check_message_id,
@@ -27,9 +31,6 @@ from delayq.topics.names import (
 )
 from delayq.topics.statements import TopicStatements
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, Using
-
-if TYPE_CHECKING:
-    from delayq.topics.dead_letters import Selection, TopicDeadLetter
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,6 @@ class Topic:
         return self.ctx.runner.run(using, op, "transaction")
 
     # -- dead letters ---------------------------------------------------------------------------
-    # (delayq.topics.dead_letters builds on ``append`` below: imported where used.)
     def dead_letters(
         self,
         *,
@@ -214,7 +214,6 @@ class Topic:
     ) -> list[TopicDeadLetter]:
         """The topic's dead letters (the messages of ``{name}_dlq``), by partition and offset, at most
         ``limit``: of one consumer group or all, with this partition key and/or original message id."""
-        from delayq.topics.dead_letters import Selection, list_dead
 
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
@@ -246,7 +245,6 @@ class Topic:
         it. Its publication and the deletion of the dead letter commit together, 500 dead letters
         per transaction. A dead letter of a group that no longer reads the topic stays where it is.
         """
-        from delayq.topics.dead_letters import Selection, requeue
 
         sel = Selection.of(group, key, message_id, everything, "requeue_dead")
         n = self.partitions(using=using)
@@ -264,7 +262,6 @@ class Topic:
         using: Using = None,
     ) -> int:
         """Delete dead letters from ``{name}_dlq`` (selected as for ``requeue_dead``); how many."""
-        from delayq.topics.dead_letters import Selection, purge
 
         sel = Selection.of(group, key, message_id, everything, "purge_dead")
         return self._each_chunk(
@@ -277,7 +274,6 @@ class Topic:
         using: Using,
         act: Callable[[Connection, TopicStatements, list[tuple[int, int]]], int],
     ) -> int:
-        from delayq.topics.dead_letters import CHUNK, dead_offsets
 
         n = self.partitions(using=using)
         found = self.ctx.runner.run(
@@ -305,91 +301,3 @@ class Topic:
         deleted = int(conn.execute(stmts.collect, {**key, "upto": low}).rowcount)
         conn.execute(stmts.set_collected, {**key, "upto": low})
         return deleted
-
-
-def ensure_topic(conn: Connection, stmts: TopicStatements, topic: str, partitions: int, now: int) -> None:
-    """Create a topic's row and its partitions' head rows unless they exist; refuse another partition count.
-
-    A topic that exists is only read: its rows are not written again, since an upsert of a head row
-    waits for the publishers that hold it (MariaDB locks the row it finds; PostgreSQL waits for the
-    uncommitted version a publisher wrote).
-    """
-    existing = conn.execute(stmts.partitions, {"topic_name": topic}).scalar()
-    if existing is None:
-        conn.execute(stmts.create_topic, {"topic_name": topic, "partition_count": partitions, "now_v": now})
-        existing = conn.execute(stmts.partitions, {"topic_name": topic}).scalar_one()
-        if existing == partitions:
-            conn.execute(stmts.create_head, [{"topic_name": topic, "part": p} for p in range(partitions)])
-    if existing != partitions:
-        raise InvalidInputError(f"topic {topic!r} exists with {existing} partitions, not {partitions}")
-
-
-def append(
-    conn: Connection,
-    stmts: TopicStatements,
-    now_param: dict[str, int],
-    topic: str,
-    items: Sequence[tuple[int, str, str, bytes]],
-    payload_type: str,
-    extra: Sequence[dict[str, Any]] | None = None,
-) -> list[bool]:
-    """``append_offsets``, telling per item only whether it was created."""
-    return [o is not None for o in append_offsets(conn, stmts, now_param, topic, items, payload_type, extra)]
-
-
-def append_offsets(
-    conn: Connection,
-    stmts: TopicStatements,
-    now_param: dict[str, int],
-    topic: str,
-    items: Sequence[tuple[int, str, str, bytes]],
-    payload_type: str,
-    extra: Sequence[dict[str, Any]] | None = None,
-) -> list[int | None]:
-    """Append ``(partition, partition_key, message_id, payload)`` items, skipping ids in the log; per item,
-    its new offset, or None when its id was there already. Four statements, whatever the number of
-    partitions touched.
-
-    The partitions' head rows are locked first, in ascending order: publishers of a partition take
-    their offsets one transaction after another, so offsets follow commit order with no gaps. Ids
-    are looked up under those locks with a plain read: every key of a partition is published under
-    its lock, and at READ COMMITTED (delayq's own transactions) the read sees what the previous
-    holder committed. (A locking read would wait for an uncommitted publisher of another partition
-    on MySQL.) In a caller's REPEATABLE READ transaction that read an older snapshot, a duplicate can
-    fail the unique constraint instead of being ignored.
-    """
-    parts = sorted({p for p, _, _, _ in items})
-    locked = conn.execute(stmts.lock_heads, {"topic_name": topic, "parts": parts, **now_param}).all()
-    if len(locked) != len(parts):
-        raise InvalidInputError(
-            f"topic {topic!r} lacks partitions {sorted(set(parts) - {r.partition for r in locked})}"
-        )
-    heads = {int(r.partition): int(r.head) for r in locked}
-    now = int(locked[0].now)
-    existing = stmts.existing_ids_of(conn, topic, list({(k, mid) for _, k, mid, _ in items}))
-    created: list[int | None] = []
-    rows: list[dict[str, Any]] = []
-    for i, (partition, k, mid, payload) in enumerate(items):
-        if (k, mid) in existing:
-            created.append(None)
-            continue
-        existing.add((k, mid))
-        heads[partition] += 1
-        rows.append(
-            {
-                "topic": topic,
-                "partition": partition,
-                "message_offset": heads[partition],
-                "partition_key": k,
-                "message_id": mid,
-                "payload": payload,
-                "payload_type": payload_type,
-                "published_at": now,
-                **(extra[i] if extra is not None else {}),
-            }
-        )
-        created.append(heads[partition])
-    if rows:
-        conn.execute(stmts.insert_log, rows)
-        stmts.set_heads(conn, topic, {p: heads[p] for p in {r["partition"] for r in rows}})
-    return created

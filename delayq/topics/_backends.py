@@ -1,0 +1,200 @@
+"""The topic operations whose shape differs per backend, chosen by the dialect's capabilities.
+
+The shared shapes are one statement each. Where lists bind as arrays (PostgreSQL, ``Dialect.arrays``) a
+list of pairs travels as two arrays and ``unnest`` turns them into rows: one statement text whatever
+the list's length, and a small plan. Where an UPDATE cannot return rows (MySQL/MariaDB,
+``Dialect.update_returning``) an ack locks the rows first, then updates them by offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from delayq.dialects import Dialect
+from delayq.dialects.base import claim_limit
+from delayq.schema import TopicTables
+from delayq.topics._status import ACKED, PENDING
+
+S = TypeVar("S")
+
+
+class _Stmts(Protocol):
+    """What these operations use of ``delayq.topics.statements.TopicStatements`` (which builds on this module)."""
+
+    @property
+    def kind(self) -> type[Dialect]: ...
+    @property
+    def tables(self) -> TopicTables: ...
+    @property
+    def existing_ids(self) -> sa.Executable: ...
+    @property
+    def ack_pairs(self) -> sa.Executable: ...
+
+    def memo(self, build: Callable[..., S], *args: Any) -> S: ...
+
+
+HEAD_SLOTS = 512
+"""Partitions per statement of ``set_heads``'s shared shape (two parameters each)."""
+
+FEW_HEADS = 8
+"""Up to this many heads, ``set_heads`` takes the shared CASE where lists bind as arrays too."""
+
+
+def existing_ids(conn: Connection, stmts: _Stmts, topic: str, pairs: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The ``(partition_key, message_id)`` of ``pairs`` that ``topic``'s log holds, in one read.
+
+    The shared shape: ``(partition_key, message_id) IN ((…), (…))``.
+    """
+    if stmts.kind.arrays:
+        # `(partition_key, message_id) IN (500 pairs)` costs 80-90 ms of planning (500 OR-ed index
+        # conditions); a join to `unnest` of two arrays plans in well under 1 ms, and its LATERAL probe
+        # with LIMIT 1 keeps it a nested loop over the unique index, where a plain join on stale
+        # statistics hashes every log row of the topic.
+        params = {"topic_name": topic, "keys": [k for k, _ in pairs], "ids": [m for _, m in pairs]}
+        return {(r.partition_key, r.message_id) for r in conn.execute(stmts.memo(_existing_ids_unnest), params)}
+    rows = conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": list(pairs)})
+    return {(r.partition_key, r.message_id) for r in rows}
+
+
+def set_heads(conn: Connection, stmts: _Stmts, topic: str, heads: Mapping[int, int]) -> None:
+    """Set the head of each partition of ``heads`` (partition -> new head), in one statement.
+
+    The shared shape: ``UPDATE … SET head = CASE partition WHEN :p0 THEN :h0 … END WHERE partition
+    IN (:p0, …)``, one round trip instead of one per partition. Its text depends on the number of
+    slots only, rounded up to a power of two (the last pair repeated), so few statements are
+    compiled and cached; a batch over more than ``HEAD_SLOTS`` partitions takes several.
+    """
+    if stmts.kind.arrays and len(heads) > FEW_HEADS:
+        # More than a few heads by UPDATE … FROM unnest of two arrays, one statement text whatever their
+        # number (a generic plan of it, on statistics taken while the table was small, reads the topic's
+        # every head row: cheap for a batch, ten times the cost of a single publish's one-row update, so a
+        # few heads, a single publish or a dead letter, take the shared CASE, whose IN list probes the key).
+        arrays = {"topic_name": topic, "parts": list(heads), "new_heads": list(heads.values())}
+        conn.execute(stmts.memo(_set_heads_unnest), arrays)
+        return
+    items = sorted(heads.items())
+    for start in range(0, len(items), HEAD_SLOTS):
+        chunk = items[start : start + HEAD_SLOTS]
+        slots = 1 << (len(chunk) - 1).bit_length()
+        chunk += [chunk[-1]] * (slots - len(chunk))
+        params: dict[str, Any] = {"topic_name": topic}
+        for i, (partition, head) in enumerate(chunk):
+            params[f"p{i}"], params[f"h{i}"] = partition, head
+        conn.execute(stmts.memo(set_heads_case, slots), params)
+
+
+def ack(
+    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]
+) -> set[tuple[int, int]]:
+    """Mark acked the pending deliveries ``pairs`` (offset, attempt count) of one partition (``key``); the
+    pairs it marked.
+
+    The shared shape: one ``UPDATE … WHERE status = 0 AND (message_offset, attempts) IN (…)
+    RETURNING message_offset, attempts``.
+    """
+    if stmts.kind.arrays:
+        # The pairs as two arrays (see ``existing_ids``): one statement text, a small plan.
+        params = {**key, "offsets": [o for o, _ in pairs], "attempt_nos": [a for _, a in pairs]}
+        return {(int(r.message_offset), int(r.attempts)) for r in conn.execute(stmts.memo(_ack_unnest), params)}
+    if not stmts.kind.update_returning:
+        # No UPDATE … RETURNING: lock the pending deliveries among the pairs (by primary key, this
+        # transaction keeps them until it ends), then mark those acked by offset.
+        locked = conn.execute(stmts.memo(_ackable), {**key, "pairs": list(pairs)}).all()
+        if locked:
+            conn.execute(stmts.memo(_ack_offsets), {**key, "offsets": [r.message_offset for r in locked]})
+        return {(int(r.message_offset), int(r.attempts)) for r in locked}
+    rows = conn.execute(stmts.ack_pairs, {**key, "pairs": list(pairs)})
+    return {(int(r.message_offset), int(r.attempts)) for r in rows}
+
+
+def set_heads_case(stmts: _Stmts, slots: int) -> sa.Update:
+    """UPDATE the head of partition ``:p{i}`` of ``:topic_name`` to ``:h{i}``, for ``i`` below ``slots``."""
+    heads = stmts.tables.heads
+    parts = [sa.bindparam(f"p{i}", type_=sa.Integer) for i in range(slots)]
+    new = sa.case(
+        *((p, sa.bindparam(f"h{i}", type_=sa.BigInteger)) for i, p in enumerate(parts)), value=heads.c.partition
+    )
+    return (
+        sa.update(heads)
+        .where(heads.c.topic == sa.bindparam("topic_name", type_=sa.String), heads.c.partition.in_(parts))
+        .values(head=new)
+    )
+
+
+# -- lists as arrays (PostgreSQL) ---------------------------------------------------------------------------
+def _existing_ids_unnest(stmts: _Stmts) -> sa.Select[Any]:
+    log = stmts.tables.log
+    asked = stmts.kind.unnest("asked", ("keys", sa.String()), ("ids", sa.String()))
+    found = (
+        sa.select(sa.literal_column("1").label("found"))
+        .where(
+            log.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            log.c.partition_key == asked.c["keys"],
+            log.c.message_id == asked.c.ids,
+        )
+        .limit(claim_limit(1))
+        .lateral("found")
+    )
+    return sa.select(asked.c["keys"].label("partition_key"), asked.c.ids.label("message_id")).select_from(
+        asked.join(found, sa.true())
+    )
+
+
+def _set_heads_unnest(stmts: _Stmts) -> sa.Update:
+    heads = stmts.tables.heads
+    new = stmts.kind.unnest("moved", ("parts", sa.Integer()), ("new_heads", sa.BigInteger()))
+    return (
+        sa.update(heads)
+        .where(
+            heads.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            heads.c.partition == new.c.parts,
+        )
+        .values(head=new.c.new_heads)
+    )
+
+
+def _ack_unnest(stmts: _Stmts) -> sa.Update:
+    dl = stmts.tables.deliveries
+    acked = stmts.kind.unnest("acked", ("offsets", sa.BigInteger()), ("attempt_nos", sa.Integer()))
+    return (
+        sa.update(dl)
+        .where(
+            dl.c.consumer_group == sa.bindparam("group", type_=sa.String),
+            dl.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            dl.c.partition == sa.bindparam("part", type_=sa.Integer),
+            dl.c.message_offset == acked.c.offsets,
+            dl.c.attempts == acked.c.attempt_nos,
+            dl.c.status == PENDING,
+        )
+        .values(status=ACKED)
+        .returning(dl.c.message_offset, dl.c.attempts)
+    )
+
+
+# -- no UPDATE … RETURNING (MySQL/MariaDB) --------------------------------------------------------------------
+def _pending_of_partition(stmts: _Stmts) -> sa.ColumnElement[bool]:
+    dl = stmts.tables.deliveries
+    return sa.and_(
+        dl.c.consumer_group == sa.bindparam("group", type_=sa.String),
+        dl.c.topic == sa.bindparam("topic_name", type_=sa.String),
+        dl.c.partition == sa.bindparam("part", type_=sa.Integer),
+        dl.c.status == PENDING,
+    )
+
+
+def _ackable(stmts: _Stmts) -> sa.Select[Any]:
+    """The offsets of ``:pairs`` (offset, attempt count) pending in partition ``:part`` of the group, locked."""
+    dl = stmts.tables.deliveries
+    pairs = sa.tuple_(dl.c.message_offset, dl.c.attempts).in_(sa.bindparam("pairs", expanding=True))
+    return sa.select(dl.c.message_offset, dl.c.attempts).where(_pending_of_partition(stmts), pairs).with_for_update()
+
+
+def _ack_offsets(stmts: _Stmts) -> sa.Update:
+    """Mark acked the pending deliveries ``:offsets`` of partition ``:part`` of the group."""
+    dl = stmts.tables.deliveries
+    offsets = dl.c.message_offset.in_(sa.bindparam("offsets", expanding=True))
+    return sa.update(dl).where(_pending_of_partition(stmts), offsets).values(status=ACKED)
