@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from delayq.handler import DeadLetter, Retry
+from delayq._steering import DeadLetter, Retry
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
