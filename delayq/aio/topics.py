@@ -191,7 +191,9 @@ class AsyncSubscription:
         In delayq's own transactions (one per partition), nothing a poll committed is dropped: a
         transient error is retried for its partition alone; any other error after earlier partitions
         delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
-        finishes in the background, and the next ``poll()`` returns what it delivered.
+        finishes in the background, and the next ``poll()`` returns what it delivered of the partitions
+        whose lease this subscriber still holds at the same epoch (one read); the others come back to the
+        lease's new holder after their visibility timeout.
         """
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
@@ -199,6 +201,9 @@ class AsyncSubscription:
             return await self._run(using, lambda u: self.sync.poll(limit, using=u))
         if self._polls:  # a cancelled poll still under way: its deliveries come first
             await asyncio.wait(set(self._polls))
+        if self._kept:  # only those whose partition's lease is still this subscriber's, at their epoch
+            leases = await self._run(using, self.sync._leases_now)
+            self._kept = [d for d in self._kept if leases.get(d.partition) == d.epoch]
         if self._kept:
             kept, self._kept = self._kept[:limit], self._kept[limit:]
             return kept
