@@ -5,45 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from conftest import START, Backend, make_async_engine
+from test_aio_seams import at_second_partition, two_partition_topic
 
-from delayq import ManualClock, Topic
+from delayq import ManualClock
 from delayq.aio import AsyncSubscription
 from delayq.topics import TopicDelivery
-from delayq.topics.names import partition_for
 
 VISIBILITY = dt.timedelta(seconds=30)
 LEASE = dt.timedelta(seconds=10)
-
-
-def at_second_partition(engine: sa.Engine, act: Callable[[], None]) -> None:
-    """Call ``act()`` once, just before the second delivery-state INSERT of ``engine``'s polls: inside the
-    transaction of the second partition a poll visits, after the first partition's committed."""
-    seen = 0
-
-    @sa.event.listens_for(engine, "before_cursor_execute")
-    def before(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
-        nonlocal seen
-        if statement.lstrip().upper().startswith("INSERT") and "topic_deliveries" in statement:
-            seen += 1
-            if seen == 2:
-                act()
-
-
-def two_partition_topic(engine: sa.Engine) -> tuple[str, list[str]]:
-    """A 2-partition topic with two messages in each; its name and the message ids."""
-    name = f"review-{uuid.uuid4().hex[:12]}"
-    Topic(engine, name).create(2)
-    keys = {partition_for(f"k{i}", 2): f"k{i}" for i in range(50)}
-    items = [(keys[p], f"{p}-{i}", {"p": p, "i": i}) for p in (0, 1) for i in range(2)]
-    Topic(engine, name).publish_many(items)
-    return name, [mid for _, mid, _ in items]
 
 
 # -- a kept delivery is handed out only while its partition's lease is still this subscriber's ----
@@ -55,13 +28,13 @@ def test_a_cancelled_polls_kept_deliveries_are_not_handed_out_once_their_partiti
     lease went to another subscriber meanwhile (``close()``, a rebalance, an expired lease stolen), that
     subscriber delivers them again once their visibility timeout passed: the kept ones must not be handed
     out too, or two live holders run the same message."""
-    name, published = two_partition_topic(backend.engine)
+    name, published = two_partition_topic(backend.engine, per_partition=2)
 
     async def main() -> dict[str, list[str]]:
         engine = make_async_engine(backend.url)
         clock = ManualClock(START)
         polling: list[asyncio.Task[list[TopicDelivery]]] = []
-        at_second_partition(engine.sync_engine, lambda: polling[0].cancel())
+        at_second_partition(engine.sync_engine, lambda _: polling[0].cancel())
         options: dict[str, Any] = {"clock": clock, "visibility_timeout": VISIBILITY, "lease_duration": LEASE}
         a = AsyncSubscription(engine, name, "g", "a", **options)
         b = AsyncSubscription(engine, name, "g", "b", **options)
