@@ -4,16 +4,22 @@ lease moving on before the next poll."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import uuid
 from typing import Any
 
 import pytest
-from conftest import START, Backend, make_async_engine
-from test_aio_seams import at_second_partition, two_partition_topic
+import sqlalchemy as sa
+from conftest import START, Backend, make_async_engine, make_engine
+from faults import FaultProxy
+from test_aio_seams import COMMIT, at_first_claim, at_second_partition, server, two_partition_topic
 
-from delayq import ManualClock
-from delayq.aio import AsyncSubscription
+from delayq import DelayedQueue, ManualClock
+from delayq.aio import AsyncDelayedQueue, AsyncSubscription
 from delayq.topics import TopicDelivery
+
+__all__ = ["server"]  # the PostgreSQL and MariaDB fixture of test_aio_seams
 
 VISIBILITY = dt.timedelta(seconds=30)
 LEASE = dt.timedelta(seconds=10)
@@ -66,3 +72,52 @@ def test_a_cancelled_polls_kept_deliveries_are_not_handed_out_once_their_partiti
     twice = {m: h for m, h in holders.items() if len(h) > 1}
     assert not twice, f"handed out to two live holders: {twice}"
     assert all(holders.values()), f"lost: {[m for m, h in holders.items() if not h]}"
+
+
+# -- a claim whose COMMIT reply was cut gives back what it took, not only a cancelled one ---------
+@pytest.mark.parametrize("api", ["sync", "async"])
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_claim_whose_commit_reply_is_cut_leaves_nothing_locked(server: Backend, api: str, limit: int) -> None:
+    """The server committed the claim and the connection died before its reply: ``try_poll_many``
+    (retried or raising) must not leave the message locked, its attempt counted, for the visibility
+    timeout with nobody holding it. The same claim cancelled in flight is given back already
+    (``test_aio_seams``); this is the reply that never comes because the connection failed."""
+    queue_name = f"review-{uuid.uuid4().hex[:12]}"
+    direct = DelayedQueue(server.engine, queue_name)  # the database's clock: a 5 min visibility timeout
+    direct.offer("m", {"n": 1})
+    # PostgreSQL claims one message in one autocommitted statement: its reply is the COMMIT's.
+    last = b"SKIP LOCKED" if server.name == "postgresql" and limit == 1 else COMMIT[server.name]
+    handed: list[int] = []
+
+    with FaultProxy.for_url(server.url) as proxy:
+        if api == "sync":
+            engine = make_engine(proxy.url_for(server.url))
+            at_first_claim(engine, lambda: proxy.cut_after(last))
+            try:
+                with contextlib.suppress(sa.exc.OperationalError):  # raised, or retried on a new connection
+                    handed += [d.attempts for d in DelayedQueue(engine, queue_name).try_poll_many(limit)]
+            finally:
+                engine.dispose()
+        else:
+
+            async def main() -> None:
+                engine = make_async_engine(proxy.url_for(server.url))
+                at_first_claim(engine.sync_engine, lambda: proxy.cut_after(last))
+                try:
+                    with contextlib.suppress(sa.exc.OperationalError):
+                        handed.extend(
+                            d.attempts for d in await AsyncDelayedQueue(engine, queue_name).try_poll_many(limit)
+                        )
+                finally:
+                    await engine.dispose()
+
+            asyncio.run(main())
+        assert proxy.stats.cuts == 1
+    message = direct.get("m")
+    assert message is not None
+    if handed:  # a retry took it again (its attempt counted once): the caller holds it
+        assert handed == [1] and message.locked and message.attempts == 1
+    else:  # nobody holds it: due at once, the cut attempt not counted
+        assert not message.locked and message.attempts == 0, message
+        again = direct.try_poll()
+        assert again is not None and again.attempts == 1 and again.ack()
