@@ -121,3 +121,45 @@ def test_a_claim_whose_commit_reply_is_cut_leaves_nothing_locked(server: Backend
         assert not message.locked and message.attempts == 0, message
         again = direct.try_poll()
         assert again is not None and again.attempts == 1 and again.ack()
+
+
+# -- a cancelled poll that never comes back does not hold up the next polls ------------------------
+def test_a_cancelled_poll_whose_commit_reply_never_comes_does_not_hold_up_the_next_poll(server: Backend) -> None:
+    """The poll's second partition committed and its reply is held (60 s, as a connection gone silent):
+    ``wait_for`` gives up on the poll, which goes on in the background; the next poll must not wait for
+    it past the lease duration. What it delivered comes back after the visibility timeout: nothing lost."""
+    name, published = two_partition_topic(server.engine)
+    lease = dt.timedelta(seconds=1)
+
+    async def main(proxy: FaultProxy) -> dict[str, int]:
+        engine = make_async_engine(proxy.url_for(server.url))
+        at_second_partition(engine.sync_engine, lambda _: proxy.hold_reply_after(COMMIT[server.name], 60.0))
+        clock = ManualClock(START)
+        sub = AsyncSubscription(
+            engine, name, "g", "s1", clock=clock, visibility_timeout=VISIBILITY, lease_duration=lease
+        )
+        delivered: dict[str, int] = {}
+        try:
+            await sub.rebalance()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sub.poll(10), 0.5)
+            assert proxy.stats.holding == 1  # the second partition's COMMIT reply, held
+            try:  # the cancelled poll is given up after the lease duration (psycopg waits <= 5 s to cancel)
+                await asyncio.wait_for(sub.poll(10), 20)
+            except TimeoutError:
+                pytest.fail("the next poll waited for the cancelled one (its reply held 60 s)")
+            clock.advance(VISIBILITY + lease)  # whatever the given-up poll delivered is visible again
+            await sub.rebalance()
+            for _ in range(4):
+                got = await sub.poll(10)
+                for d in got:
+                    delivered[d.message_id] = delivered.get(d.message_id, 0) + 1
+                assert await sub.ack_many(got) == [True] * len(got)
+        finally:
+            await engine.dispose()
+        return delivered
+
+    with FaultProxy.for_url(server.url) as proxy:
+        delivered = asyncio.run(main(proxy))
+    assert sorted(delivered) == sorted(published), f"lost: {sorted(set(published) - set(delivered))}"
+    assert set(delivered.values()) == {1}

@@ -193,7 +193,8 @@ class AsyncSubscription:
         delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
         finishes in the background, and the next ``poll()`` returns what it delivered of the partitions
         whose lease this subscriber still holds at the same epoch (one read); the others come back to the
-        lease's new holder after their visibility timeout.
+        lease's new holder after their visibility timeout. One still under way after ``lease_duration`` is
+        cancelled for good, and what it delivered comes back after the visibility timeout.
         """
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
@@ -232,9 +233,15 @@ class AsyncSubscription:
         return out
 
     def _keep_when_done(self, task: asyncio.Task[list[TopicDelivery]]) -> None:
-        """A cancelled poll's deliveries are committed (or about to be): keep them for the next poll."""
+        """A cancelled poll's deliveries are committed (or about to be): keep them for the next poll.
+
+        One still under way after the lease duration is cancelled for good (its connection gone silent, say):
+        the next poll waits for it no longer, and what it delivered comes back after the visibility timeout.
+        """
+        abandon = asyncio.get_running_loop().call_later(self.sync.lease_duration.total_seconds(), self._abandon, task)
 
         def keep(done: asyncio.Task[list[TopicDelivery]]) -> None:
+            abandon.cancel()
             self._polls.discard(done)
             if done.cancelled():
                 return
@@ -246,6 +253,14 @@ class AsyncSubscription:
 
         self._polls.add(task)  # a strong reference until it ends
         task.add_done_callback(keep)
+
+    def _abandon(self, task: asyncio.Task[list[TopicDelivery]]) -> None:
+        log.warning(
+            "a cancelled poll of %s still under way after the lease duration: cancelled; its deliveries come "
+            "back after their visibility timeout",
+            self.sync.topic,
+        )
+        task.cancel()
 
     async def advance_watermarks(self, *, using: AsyncUsing = None) -> dict[int, int]:
         """Move each held partition's watermark past its contiguously acked offsets."""

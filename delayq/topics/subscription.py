@@ -226,6 +226,11 @@ class Subscription:
         with self._held_lock:
             self._held = {}
 
+    @property
+    def lease_duration(self) -> dt.timedelta:
+        """How long a partition's lease lasts unless renewed (``rebalance``)."""
+        return dt.timedelta(milliseconds=self._lease_ms)
+
     # -- consuming ----------------------------------------------------------------------------------
     def poll(self, limit: int = 10, *, using: Using = None) -> list[TopicDelivery]:
         """Up to ``limit`` deliverable messages from the partitions held, each partition in offset order.
