@@ -163,3 +163,38 @@ def test_a_cancelled_poll_whose_commit_reply_never_comes_does_not_hold_up_the_ne
         delivered = asyncio.run(main(proxy))
     assert sorted(delivered) == sorted(published), f"lost: {sorted(set(published) - set(delivered))}"
     assert set(delivered.values()) == {1}
+
+
+def test_a_cancelled_claim_whose_commit_reply_never_comes_gives_its_connection_back(server: Backend) -> None:
+    """A ``try_poll`` timed out while its COMMIT reply is held (60 s, as a connection gone silent) goes on in
+    the background to give its messages back; past the visibility timeout it is cancelled for good, so it
+    does not keep a connection of the pool. Its message comes back as its lock expires: nothing lost."""
+    queue_name = f"review-{uuid.uuid4().hex[:12]}"
+    direct = DelayedQueue(server.engine, queue_name)
+    direct.offer("m", {"n": 1})
+    visibility = dt.timedelta(seconds=1)
+
+    async def main(proxy: FaultProxy) -> None:
+        # One connection in the pool: the claim's, while its reply is held.
+        engine = make_async_engine(proxy.url_for(server.url), pool_size=1, max_overflow=0, pool_timeout=30)
+        at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(COMMIT[server.name], 60.0))
+        queue = AsyncDelayedQueue(engine, queue_name, visibility_timeout=visibility)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(queue.try_poll_many(3), 0.5)
+            assert proxy.stats.holding == 1
+            try:  # needs the pool's one connection: given up by the claim after the visibility timeout
+                await asyncio.wait_for(queue.next_due(), 20)
+            except TimeoutError:
+                pytest.fail("the cancelled claim kept the pool's connection (its reply held 60 s)")
+            deadline = asyncio.get_running_loop().time() + 30
+            while (again := await queue.try_poll()) is None:  # its lock expires (the database's clock)
+                assert asyncio.get_running_loop().time() < deadline, "the claimed message never came back"
+                await asyncio.sleep(0.05)
+            assert again.key == "m" and await again.ack()
+        finally:
+            await engine.dispose()
+
+    with FaultProxy.for_url(server.url) as proxy:
+        asyncio.run(main(proxy))
+    assert direct.get("m") is None
