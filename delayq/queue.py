@@ -244,28 +244,59 @@ class DelayedQueue:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
 
+        tokens: list[str] = []  # one per attempt
+
         def op(conn: Connection, dialect: Dialect) -> list[ClaimedRow]:
             # A fresh token on every attempt: when an attempt's commit succeeded unseen (its reply
-            # lost), the rows it locked carry a token nobody holds and return after the timeout.
+            # lost), the rows it locked carry a token nobody holds; they are given back below.
             now = self._now_param()
             token = self._claiming = new_token(now.get("now"))
+            tokens.append(token)
             params = {"queue_name": self.name, "limit": limit, "token": token, **now}
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
         self._claiming = None
-        rows = self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit))
+        # In the caller's transaction its rollback undoes the claim; in process (SQLite) a failed attempt left nothing.
+        owned = (using is None or isinstance(using, Engine)) and self._runner.dialect.unseen_commits
+        try:
+            rows = self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit))
+        except DBAPIError as exc:
+            # A lost connection may have lost a COMMIT's reply only; an error the server sent rolled back.
+            if owned and exc.connection_invalidated and self._give_back_unseen(tokens, using):
+                self._claiming = None
+            raise
         self._claiming = None  # the claim came back: its rows are in hand
+        if owned and len(tokens) > 1:  # a retried claim: what an earlier attempt may have committed unseen
+            self._give_back_unseen(tokens[:-1], using)
         return self._deliveries(rows, using)
 
-    def _give_back(self, token: str, *, using: Using = None) -> int:
-        """Give back every message of a claim whose outcome is unknown to its caller (an asyncio claim cancelled
-        while its COMMIT was in flight): due as when claimed, unlocked, the attempt not counted; how many."""
+    def _give_back(self, tokens: list[str], *, using: Using = None, retry: bool = True) -> int:
+        """Give back every message of claims whose outcome is unknown to their caller (an attempt whose COMMIT
+        reply never came, an asyncio claim cancelled in flight): due as when claimed, unlocked, the attempt
+        not counted; how many. Nobody holds these tokens: an attempt that failed returned none."""
 
         def op(conn: Connection, dialect: Dialect) -> int:
-            params = {"queue_name": self.name, "token": token, "vt": self._visibility_ms}
-            return int(conn.execute(self._statements(dialect).unclaim_token, params).rowcount)
+            params = {"queue_name": self.name, "tokens": tokens, "vt": self._visibility_ms}
+            return int(conn.execute(self._statements(dialect).unclaim_tokens, params).rowcount)
 
-        return self._runner.run(using, op, "statement")
+        runner = self._runner if retry else self._runner.once()
+        return runner.run(using, op, "statement")
+
+    def _give_back_unseen(self, tokens: list[str], using: Using) -> bool:
+        """``_give_back`` once, never raising (the claim's own outcome stands); whether it ran."""
+        try:
+            given = self._give_back(tokens, using=using, retry=False)
+        except Exception as exc:
+            log.warning(
+                "queue %s: could not give back a claim whose reply never came (%s); its messages return "
+                "after their lock expires",
+                self.name,
+                exc,
+            )
+            return False
+        if given:
+            log.info("queue %s: gave back %d message(s) of a claim whose reply never came", self.name, given)
+        return True
 
     def release(self, deliveries: Sequence[Delivery], *, using: Using = None) -> int:
         """Give deliveries back unprocessed: due again at once, the attempt not counted.

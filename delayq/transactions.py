@@ -88,6 +88,13 @@ class Runner:
         self.retry = retry
         self.owner = owner
         self.dialect = dialect_for(engine)
+        self._once: Runner | None = None
+
+    def once(self) -> Runner:
+        """This runner without retries: one attempt, for a best-effort cleanup after a failure."""
+        if self._once is None:
+            self._once = Runner(self.engine, self.tables, TransientRetry(attempts=1), self.owner)
+        return self._once
 
     def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
         """Run ``operation(conn, dialect)`` in the caller's transaction or in one of delayq's own.

@@ -34,6 +34,7 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_poll_order",  # AsyncSubscription.poll runs Subscription.poll's steps, one partition per transaction
         "_poll_one",
         "_poll_failed",
+        "_leases_now",  # AsyncSubscription.poll hands out kept deliveries of the leases still held
         "_claiming",  # AsyncWorker gives back a claim cancelled in flight by its token
         "_give_back",
         "_claim",  # (super()._claim: AsyncWorker notes the claims that never came back)

@@ -137,13 +137,30 @@ class AsyncDelayedQueue:
         return [AsyncDelivery(d, self) for d in found]
 
     def _give_back_when_done(self, claiming: asyncio.Future[list[Delivery]], using: AsyncEngine | None) -> None:
-        """Release what a cancelled claim took, once it comes back."""
+        """Release what a cancelled claim took, once it comes back. One still under way after the visibility
+        timeout (its connection gone silent, say) is cancelled for good: its rows' locks have expired by then,
+        and it holds a connection of the pool no longer."""
+        abandoned: list[bool] = []
+
+        def abandon_it() -> None:
+            abandoned.append(True)
+            claiming.cancel()
+
+        abandon = asyncio.get_running_loop().call_later(self.visibility_timeout.total_seconds(), abandon_it)
 
         async def give_back() -> None:
             try:
                 found = await claiming
                 if found:
                     await self._run(using, lambda u: self.sync.release(found, using=u))
+            except asyncio.CancelledError:
+                if not abandoned:  # (this task cancelled: the loop ends)
+                    raise
+                log.warning(
+                    "queue %s: a cancelled claim still under way after the visibility timeout was cancelled; "
+                    "its messages return as their lock expires",
+                    self.name,
+                )
             except Exception as exc:
                 log.warning(
                     "queue %s: could not give back a cancelled claim (%s); its messages return after their "
@@ -155,6 +172,7 @@ class AsyncDelayedQueue:
         task = asyncio.ensure_future(give_back())
         self._giving_back.add(task)  # a strong reference until it ends
         task.add_done_callback(self._giving_back.discard)
+        task.add_done_callback(lambda _: abandon.cancel())
 
     async def release(self, deliveries: Sequence[AsyncDelivery], *, using: AsyncUsing = None) -> int:
         """Give deliveries back unprocessed (due at once, the attempt not counted); how many were held."""

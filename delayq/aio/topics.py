@@ -194,7 +194,10 @@ class AsyncSubscription:
         In delayq's own transactions (one per partition), nothing a poll committed is dropped: a
         transient error is retried for its partition alone; any other error after earlier partitions
         delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
-        finishes in the background, and the next ``poll()`` returns what it delivered.
+        finishes in the background, and the next ``poll()`` returns what it delivered of the partitions
+        whose lease this subscriber still holds at the same epoch (one read); the others come back to the
+        lease's new holder after their visibility timeout. One still under way after ``lease_duration`` is
+        cancelled for good, and what it delivered comes back after the visibility timeout.
         """
         if not isinstance(limit, int) or limit < 1:
             raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
@@ -202,6 +205,9 @@ class AsyncSubscription:
             return await self._run(using, lambda u: self.sync.poll(limit, using=u))
         if self._polls:  # a cancelled poll still under way: its deliveries come first
             await asyncio.wait(set(self._polls))
+        if self._kept:  # only those whose partition's lease is still this subscriber's, at their epoch
+            leases = await self._run(using, self.sync._leases_now)
+            self._kept = [d for d in self._kept if leases.get(d.partition) == d.epoch]
         if self._kept:
             kept, self._kept = self._kept[:limit], self._kept[limit:]
             return kept
@@ -230,9 +236,15 @@ class AsyncSubscription:
         return out
 
     def _keep_when_done(self, task: asyncio.Task[list[TopicDelivery]]) -> None:
-        """A cancelled poll's deliveries are committed (or about to be): keep them for the next poll."""
+        """A cancelled poll's deliveries are committed (or about to be): keep them for the next poll.
+
+        One still under way after the lease duration is cancelled for good (its connection gone silent, say):
+        the next poll waits for it no longer, and what it delivered comes back after the visibility timeout.
+        """
+        abandon = asyncio.get_running_loop().call_later(self.sync.lease_duration.total_seconds(), self._abandon, task)
 
         def keep(done: asyncio.Task[list[TopicDelivery]]) -> None:
+            abandon.cancel()
             self._polls.discard(done)
             if done.cancelled():
                 return
@@ -244,6 +256,14 @@ class AsyncSubscription:
 
         self._polls.add(task)  # a strong reference until it ends
         task.add_done_callback(keep)
+
+    def _abandon(self, task: asyncio.Task[list[TopicDelivery]]) -> None:
+        log.warning(
+            "a cancelled poll of %s still under way after the lease duration: cancelled; its deliveries come "
+            "back after their visibility timeout",
+            self.sync.topic,
+        )
+        task.cancel()
 
     async def advance_watermarks(self, *, using: AsyncUsing = None) -> dict[int, int]:
         """Move each held partition's watermark past its contiguously acked offsets."""

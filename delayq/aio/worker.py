@@ -408,7 +408,7 @@ class AsyncWorker(Worker):
     async def _give_back_claim(self, aq: AsyncDelayedQueue, token: str) -> None:
         try:
             async with asyncio.timeout(self._stall_timeout):
-                given = await aq.bridge.run(None, lambda u: aq.sync._give_back(token, using=u))
+                given = await aq.bridge.run(None, lambda u: aq.sync._give_back([token], using=u))
         except Exception as exc:
             log.warning(
                 "queue %s: could not give back a claim whose reply never came (%s); "

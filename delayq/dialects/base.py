@@ -150,11 +150,12 @@ class Statements:
         self.unclaim = (
             sa.update(m).where(held).values(scheduled_at=_bp("due"), lock_token=None, attempts=m.c.attempts - 1)
         )
-        # A claim whose reply never came (cancelled in flight): its rows by its token, which no one else can
-        # hold (a fresh one per claim); their lock's expiry minus the visibility timeout is the claim's now.
-        self.unclaim_token = (
+        # Claims whose reply never came (cancelled in flight, or the connection lost at COMMIT): their rows
+        # by token, which no one else can hold (a fresh one per attempt); their lock's expiry minus the
+        # visibility timeout is the claim's now.
+        self.unclaim_tokens = (
             sa.update(m)
-            .where(m.c.queue == queue, m.c.lock_token == _bp("token", sa.String))
+            .where(m.c.queue == queue, m.c.lock_token.in_(sa.bindparam("tokens", expanding=True)))
             .values(scheduled_at=m.c.scheduled_at - _bp("vt"), lock_token=None, attempts=m.c.attempts - 1)
         )
         self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
@@ -228,6 +229,9 @@ class Dialect:
     update_returning: ClassVar[bool] = True
     #: Whether a list binds as one array parameter, which ``unnest`` turns into rows (see ``unnest``).
     arrays: ClassVar[bool] = False
+    #: Whether a COMMIT's reply can be lost after the server committed (a network between): a claim
+    #: attempt that failed may then hold rows under its token (``DelayedQueue.try_poll_many`` gives them back).
+    unseen_commits: ClassVar[bool] = True
     #: Client-side timeouts for engines delayq makes itself (``delayq worker``), as connect arguments;
     #: a URL's query overrides each.
     network_timeouts: ClassVar[dict[str, int]] = {}

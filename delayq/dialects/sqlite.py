@@ -90,6 +90,7 @@ class SQLiteDialect(Dialect):
     # No row locks (FOR UPDATE is dropped): one writer at a time, whose lock a transaction takes at
     # its first write (pysqlite begins a caller's transaction there), so a locking read is a write.
     row_locks: ClassVar[bool] = False
+    unseen_commits: ClassVar[bool] = False  # in process: a COMMIT that raised did not commit
 
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         super().__init__(sa_dialect)

@@ -240,6 +240,11 @@ class Subscription:
         with self._held_lock:
             self._held = {}
 
+    @property
+    def lease_duration(self) -> dt.timedelta:
+        """How long a partition's lease lasts unless renewed (``rebalance``)."""
+        return dt.timedelta(milliseconds=self._lease_ms)
+
     # -- consuming ----------------------------------------------------------------------------------
     def poll(self, limit: int = 10, *, using: Using = None) -> list[TopicDelivery]:
         """Up to ``limit`` deliverable messages from the partitions held, each partition in offset order.
@@ -459,6 +464,17 @@ class Subscription:
         """Forget a partition whose lease was lost."""
         with self._held_lock:
             self._held = {p: e for p, e in self._held.items() if p != partition}
+
+    def _leases_now(self, using: Using) -> dict[int, int]:
+        """The partitions whose lease this subscriber holds in the database now, with their epochs (one read)."""
+
+        def op(conn: Connection, dialect: Dialect) -> dict[int, int]:
+            rows = conn.execute(
+                self.ctx.stmts(dialect).my_leases, {"group": self.group, "topic_name": self.topic, "me": self.name}
+            )
+            return {int(r.partition): int(r.epoch) for r in rows}
+
+        return self.ctx.runner.run(using, op, "read")
 
     def _progress(self, using: Using) -> dict[int, tuple[int, int]]:
         """Each partition held: (the group's watermark, the partition's head). One read: of the group's
