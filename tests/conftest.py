@@ -12,6 +12,7 @@ container instead.
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -241,6 +242,15 @@ FULL_PROFILE_MODULES = {
 }
 """Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
 as a subprocess, the benchmarks' smoke run. Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
+
+
+SPARK_MODULES = sorted(m for m in FULL_PROFILE_MODULES if m.startswith("test_spark"))
+collect_ignore = [] if importlib.util.find_spec("pyspark") else [f"{m}.py" for m in SPARK_MODULES]
+"""Without PySpark (the fast profile installs no ``spark`` extra) its modules are not collected; the header says so."""
+
+
+def pytest_report_header() -> str | None:
+    return f"pyspark is not installed: {', '.join(collect_ignore)} not collected" if collect_ignore else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
