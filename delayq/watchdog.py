@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
+
+from delayq.dialects.bounds import shut_down
 
 log = logging.getLogger("delayq.worker")
 
@@ -75,22 +75,8 @@ class Watchdog:
         with self._lock:
             stuck = [(conn, since) for conn, ident, since in self._held.values() if ident in watched]
         for conn, since in stuck:
-            if now - since > self.stall_after and _shut_down(conn):
+            if now - since > self.stall_after and shut_down(conn):
                 self.dropped += 1
                 log.warning("a database call has not returned in %.0fs: dropping its connection", now - since)
                 with self._lock:
                     self._held.pop(id(conn), None)
-
-
-def _shut_down(dbapi_connection: Any) -> bool:
-    """Shut the connection's socket down under the driver (a blocked read then fails); False without one."""
-    fileno = getattr(dbapi_connection, "fileno", None)
-    if fileno is None:
-        return False
-    try:
-        fd = os.dup(fileno())
-    except Exception:  # closed already, or no socket: nothing to shut down
-        return False
-    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    return True

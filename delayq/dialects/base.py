@@ -60,12 +60,16 @@ class OwnedStart:
     """How one of delayq's own operations runs on a fresh connection.
 
     ``autocommit``: switch the connection to autocommit for it (one statement is atomic on its
-    own); ``sql``: statements sent first; ``commit``: end with a COMMIT.
+    own); ``sql``: statements sent first; ``commit``: end with a COMMIT; ``end``: sent instead of the
+    COMMIT statement where the start changed the session (it commits and puts the session back), and
+    ``undo`` likewise when the operation fails (it rolls back and puts the session back).
     """
 
     autocommit: bool = False
     sql: tuple[str, ...] = ()
     commit: bool = True
+    end: str | None = None
+    undo: str | None = None
 
 
 def claim_limit(n: int) -> sa.ColumnElement[int]:
@@ -329,12 +333,14 @@ class Dialect:
         database's busy wait. Nothing by default."""
         return contextlib.nullcontext()
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+    def owned_start(self, mode: Mode, autocommitting: bool, idle_s: float | None = None) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.
 
         ``mode``: see ``Mode``.
         ``autocommitting``: the connection is in autocommit already (an engine made with
         ``isolation_level="AUTOCOMMIT"``), so several statements need an explicit BEGIN.
+        ``idle_s``: the idle bound (``delayq.dialects.bounds``): where the server can, a transaction
+        it begins that sits idle this long is ended by the server; None: no bound.
         """
         return OwnedStart()
 

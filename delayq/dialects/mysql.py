@@ -8,6 +8,7 @@ would turn every error into a warning, not only the duplicate key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +43,18 @@ _MISSING_TABLE = 1146
 _DUPLICATE_KEY = 1062
 MYSQL_MIN = (8, 0, 1)
 MARIADB_MIN = (10, 6)
+
+
+# MariaDB's idle bounds (seconds; 0: none). A transaction that wrote takes the write one, one that only
+# read the read-only one, when set; else the general one: delayq sets all three for its transaction.
+_IDLE_VARIABLES = ("idle_transaction_timeout", "idle_readonly_transaction_timeout", "idle_write_transaction_timeout")
+_SAVE_IDLE = "SET " + ", ".join(f"@delayq_{v} = @@session.{v}" for v in _IDLE_VARIABLES)
+_RESTORE_IDLE = "SET " + ", ".join(f"SESSION {v} = @delayq_{v}" for v in _IDLE_VARIABLES)
+
+
+def _set_idle(idle_s: float) -> str:
+    seconds = max(1, math.ceil(idle_s))  # whole seconds only
+    return "SET " + ", ".join(f"SESSION {v} = {seconds}" for v in _IDLE_VARIABLES)
 
 
 def _code(exc: DBAPIError) -> int | None:
@@ -80,7 +93,7 @@ class MySQLDialect(Dialect):
             "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)", sa.BigInteger
         )
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+    def owned_start(self, mode: Mode, autocommitting: bool, idle_s: float | None = None) -> OwnedStart:
         # SET TRANSACTION applies to the next transaction only: the engine keeps its own level.
         # A single statement by primary or unique key locks just its row: no need for it there.
         # A statement that scans does need it: on a table whose statistics say it is nearly
@@ -94,6 +107,12 @@ class MySQLDialect(Dialect):
         isolation = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
         if autocommitting and mode == "scan":  # the statement is a transaction of its own
             return OwnedStart(sql=(isolation,), commit=False)
+        if idle_s is not None and getattr(self.sa_dialect, "is_mariadb", False):
+            # The idle bound, in the same round trip as the isolation level (mysqlclient sends several
+            # statements in one query); the session's own values come back with the COMMIT.
+            isolation = f"{_SAVE_IDLE}; {_set_idle(idle_s)}; {isolation}"
+            start = (isolation, "START TRANSACTION") if autocommitting else (isolation,)
+            return OwnedStart(sql=start, end=f"COMMIT; {_RESTORE_IDLE}", undo=f"ROLLBACK; {_RESTORE_IDLE}")
         return OwnedStart(sql=(isolation, "START TRANSACTION") if autocommitting else (isolation,))
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
