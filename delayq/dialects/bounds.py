@@ -36,15 +36,34 @@ connection is dropped (``TransientRetry.call_timeout`` overrides it)."""
 
 def shut_down(dbapi_connection: Any) -> bool:
     """Shut the connection's socket down under the driver (a blocked read then fails); False without one."""
+    found = socket_of(dbapi_connection)
+    return found is not None and shut_down_socket(*found)
+
+
+def socket_of(dbapi_connection: Any) -> tuple[int, int] | None:
+    """The connection's socket as (file descriptor, inode), read while the connection is idle
+    (mysqlclient answers ``fileno()`` only then); None without one."""
     fileno = getattr(dbapi_connection, "fileno", None)
     if fileno is None:
-        return False
+        return None
     try:
-        fd = os.dup(fileno())
-    except Exception:  # closed already, or no socket: nothing to shut down
+        fd = int(fileno())
+        return fd, os.fstat(fd).st_ino
+    except Exception:  # closed already, or no socket
+        return None
+
+
+def shut_down_socket(fd: int, inode: int) -> bool:
+    """Shut the socket ``fd`` down if it is still the one of that inode (not closed and reused meanwhile)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
         return False
-    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+    with socket.socket(fileno=dup) as sock:
+        if os.fstat(dup).st_ino != inode:
+            return False
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
     return True
 
 
@@ -52,7 +71,7 @@ class _Deadlines:
     """Driver connections that must be done by a deadline; one daemon thread drops those past theirs."""
 
     def __init__(self) -> None:
-        self._due: dict[int, tuple[Any, float, float]] = {}  # id(conn) -> (conn, deadline, seconds)
+        self._due: dict[int, tuple[tuple[int, int], float, float]] = {}  # id(conn) -> (socket, deadline, seconds)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._next = float("inf")  # the deadline the thread sleeps until
@@ -60,9 +79,12 @@ class _Deadlines:
         """Connections dropped so far."""
 
     def arm(self, dbapi_connection: Any, seconds: float) -> None:
+        found = socket_of(dbapi_connection)
+        if found is None:
+            return
         deadline = time.monotonic() + seconds
         with self._cond:
-            self._due[id(dbapi_connection)] = (dbapi_connection, deadline, seconds)
+            self._due[id(dbapi_connection)] = (found, deadline, seconds)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="delayq-call-bound", daemon=True)
                 self._thread.start()
@@ -78,11 +100,11 @@ class _Deadlines:
         while True:
             with self._cond:
                 now = time.monotonic()
-                for key, (conn, deadline, seconds) in list(self._due.items()):
+                for key, (found, deadline, seconds) in list(self._due.items()):
                     if deadline <= now:
                         # Under the lock: a disarm that comes later finds it gone, one that came first won.
                         del self._due[key]
-                        if shut_down(conn):
+                        if shut_down_socket(*found):
                             self.dropped += 1
                             log.warning("a database call has not returned in %.0fs: dropping its connection", seconds)
                 self._next = min((d for _, d, _ in self._due.values()), default=float("inf"))
