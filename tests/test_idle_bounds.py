@@ -27,7 +27,7 @@ from test_worker import wait_until
 
 from delayq import DelayedQueue, Delivery, Handler, ManualClock, RetryPolicy, Worker
 from delayq.dialects import bounds, dialect_for
-from delayq.topics import Subscription, Topic
+from delayq.topics import Subscription, Topic, dead_letter_topic
 
 SERVERS = ["postgresql", "mysql"]
 IDLE_S = 1.0
@@ -50,6 +50,12 @@ def server(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Iter
     b = _backend(request.param, backend_urls)
     with FaultProxy.for_url(b.url) as proxy:
         yield b, proxy
+
+
+def through(proxy: FaultProxy, b: Backend, **kwargs: Any) -> sa.Engine:
+    """An engine whose connections go through the proxy. (A connection being opened just as the network
+    goes silent waits for its connect timeout, which ``delayq worker`` sets too.)"""
+    return make_engine(proxy.url_for(b.url) + "?connect_timeout=5", **kwargs)
 
 
 def stall_after(
@@ -93,7 +99,7 @@ def test_a_batch_claim_behind_a_silent_network_frees_its_rows_and_its_thread(
     idle bound (MariaDB kept it up to wait_timeout, 8 h), so another consumer gets every message, once;
     the frozen consumer's call fails after the call bound and its retry claims afresh (nothing: all taken)."""
     b, proxy = server
-    frozen_engine = make_engine(proxy.url_for(b.url))
+    frozen_engine = through(proxy, b)
     stalled = stall_after(frozen_engine, proxy, lambda s: "UPDATE" in s and "lock_token" in s, "frozen")
     frozen, other = DelayedQueue(frozen_engine, queue_name), DelayedQueue(b.engine, queue_name)
     keys = [f"k{i}" for i in range(5)]
@@ -108,64 +114,93 @@ def test_a_batch_claim_behind_a_silent_network_frees_its_rows_and_its_thread(
                 got.append(d.key)
                 assert d.ack()
             time.sleep(0.05)
+        assert sorted(got) == keys, "the claimed messages did not continue elsewhere"
         consumer.join(DEADLINE)
         assert not consumer.is_alive(), "the frozen consumer's thread still waits for its COMMIT"
     finally:
         frozen_engine.dispose()
-    assert sorted(got) == keys
     assert outcome == [[]]  # its transaction was ended by the server: nothing claimed twice
+
+
+def exclusive_fence(statement: str) -> bool:
+    """A poll's fence: its lease row, locked FOR UPDATE (not a steal's SKIP LOCKED, not the shared one)."""
+    return "topic_leases" in statement and "FOR UPDATE" in statement and "SKIP LOCKED" not in statement
 
 
 def test_a_subscriber_frozen_in_its_fence_gives_its_partition_up_within_the_lease_and_the_bound(
     server: tuple[Backend, FaultProxy],
 ) -> None:
     """Row 2: a subscriber whose poll took its partition's exclusive fence goes silent. Its transaction ends
-    on the server after the idle bound, so ``requeue_dead`` (which locks the lease as a fence does) goes
-    through, and once the lease has run out another subscriber steals the partition and gets every
-    message, once, with the requeued dead letter."""
+    on the server after the idle bound, so once the lease has run out (the injected clock moves it) another
+    subscriber steals the partition and gets every message, once; the frozen subscriber's thread returns."""
     b, proxy = server
     topic_name = f"ib-{uuid.uuid4().hex[:12]}"
     clock = ManualClock(START)
     lease = dt.timedelta(seconds=2)
-    frozen_engine = make_engine(proxy.url_for(b.url))
-    Topic(b.engine, topic_name, clock=clock).create(1)
+    frozen_engine = through(proxy, b)
     topic = Topic(b.engine, topic_name, clock=clock)
+    topic.create(1)
     frozen = Subscription(frozen_engine, topic_name, "g", "frozen", clock=clock, lease_duration=lease)
     other = Subscription(b.engine, topic_name, "g", "other", clock=clock, lease_duration=lease)
+    ids = [f"m{i}" for i in range(5)]
+    got: Counter[str] = Counter()
     try:
         frozen.join()
         assert frozen.rebalance() == {0: 1}
-        topic.publish("k", "dead", 0)
-        [first] = frozen.poll(1)
-        assert frozen.fail(first, "gave up")  # a dead letter of partition 0, for requeue_dead
-        ids = [f"m{i}" for i in range(5)]
         topic.publish_many([("k", m, i) for i, m in enumerate(ids)])
-
-        def exclusive_fence(s: str) -> bool:
-            return "topic_leases" in s and "FOR UPDATE" in s and "SKIP LOCKED" not in s
-
         stalled = stall_after(frozen_engine, proxy, exclusive_fence, "frozen")
         poller, _ = in_thread("frozen", lambda: frozen.poll(10))
         assert stalled.wait(10)
-        requeuer, requeued = in_thread("requeue", lambda: topic.requeue_dead(everything=True))
-        requeuer.join(DEADLINE)
-        assert requeued == [1], "requeue_dead still waits for the frozen fence"
         clock.advance(lease * 2)  # the frozen subscriber's lease and heartbeat run out
-        got: Counter[str] = Counter()
         deadline = time.monotonic() + DEADLINE
-        while len(got) < len(ids) + 1 and time.monotonic() < deadline:
+        while len(got) < len(ids) and time.monotonic() < deadline:
             other.rebalance()
             for d in other.poll(10):
                 got[d.message_id] += 1
                 assert other.ack(d)
             time.sleep(0.05)
+        assert sorted(got) == ids, "the partition did not continue elsewhere"
         poller.join(DEADLINE)
         assert not poller.is_alive(), "the frozen subscriber's thread still waits"
     finally:
         frozen_engine.dispose()
-    requeued_ids = [m for m in got if m not in ids]
-    assert sorted(m for m in got if m in ids) == ids and len(requeued_ids) == 1, got
     assert set(got.values()) == {1}, got
+
+
+@pytest.mark.parametrize("operation", ["requeue_dead", "purge_dead"])
+def test_requeue_and_purge_of_dead_letters_wait_for_a_frozen_fence_only_for_the_bound(
+    server: tuple[Backend, FaultProxy], operation: str
+) -> None:
+    """Row 2: ``requeue_dead`` / ``purge_dead`` lock the leases of the groups reading ``{topic}_dlq`` as a
+    poll's fence does. A subscriber of the dead-letter topic frozen in its fence held them up for as long as
+    its connection seemed alive; now for the idle bound. The requeued message then reaches its group once."""
+    b, proxy = server
+    topic_name = f"ib-{uuid.uuid4().hex[:12]}"
+    clock = ManualClock(START)
+    frozen_engine = through(proxy, b)
+    topic = Topic(b.engine, topic_name, clock=clock)
+    topic.create(1)
+    sub = Subscription(b.engine, topic_name, "g", "sub", clock=clock)
+    auditor = Subscription(frozen_engine, dead_letter_topic(topic_name), "audit", "frozen", clock=clock)
+    try:
+        sub.join()
+        auditor.join()
+        assert auditor.rebalance() == {0: 1} and sub.rebalance() == {0: 1}
+        topic.publish("k", "m", 1)
+        [first] = sub.poll(1)
+        assert sub.fail(first, "gave up")  # a dead letter in the dead-letter topic's partition 0
+        stalled = stall_after(frozen_engine, proxy, exclusive_fence, "frozen")
+        poller, _ = in_thread("frozen", lambda: auditor.poll(10))
+        assert stalled.wait(10)
+        worker, done = in_thread("operator", lambda: getattr(topic, operation)(everything=True))
+        worker.join(DEADLINE)
+        assert done == [1], f"{operation} still waits for the frozen fence"
+        poller.join(DEADLINE)
+        assert not poller.is_alive(), "the frozen subscriber's thread still waits"
+    finally:
+        frozen_engine.dispose()
+    again = [d.message_id for d in sub.poll(10)]
+    assert again == (["m~requeue-1"] if operation == "requeue_dead" else []), again
 
 
 def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
@@ -197,7 +232,7 @@ def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
             handled.append((delivery.key, threading.current_thread().name))
             conn.execute(sa.insert(effects).values(msg_key=delivery.key))
 
-    frozen_engine = make_engine(proxy.url_for(b.url), pool_size=8, max_overflow=2)
+    frozen_engine = through(proxy, b, pool_size=8, max_overflow=2)
     stalled = stall_after(
         frozen_engine, proxy, lambda s: s.lstrip().upper().startswith("DELETE") and "lock_token" in s, "delayq-handler"
     )
