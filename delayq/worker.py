@@ -102,10 +102,10 @@ class Worker:
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
-        stall_timeout: a database call of the fetch loop or the heartbeat that has not returned after
-            this long is taken for a connection gone silent, which is dropped (see
-            ``delayq.watchdog``; psycopg only, mysqlclient relies on its read timeout). 60 seconds;
-            None turns the watchdog off.
+        stall_timeout: a database call of the fetch loop or the heartbeat, or the ack and COMMIT of a
+            transactional handler, that has not returned after this long is taken for a connection
+            gone silent, which is dropped (see ``delayq.watchdog``, docs/workers.md "Bounds"). 60
+            seconds; None turns the watchdog off.
 
     Each handler's queue caps deliveries at ``handler.retry.max_attempts``: a message whose
     handler never reaches an outcome (its process dies every time) goes to the dead letters.
