@@ -260,6 +260,7 @@ def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
     finally:
         frozen.stop(1)
         other.stop(1)
+        proxy.cut_all()  # (whatever still holds a lock on the table lets go)
         frozen_engine.dispose()
         effects.drop(b.engine)
     assert len(handled) >= 2  # the frozen attempt, then the one that committed
