@@ -160,13 +160,20 @@ class Runner:
         ``idle_timeout``: the transaction's idle bound in seconds (None: none; see ``TransientRetry``).
         A call bound armed in the block (``bound_calls``) ends with it.
         """
-        with (engine or self.engine).connect() as conn:
+        engine = engine or self.engine
+        dialect_for(engine).attach(engine)
+        own = bounds.OWN_CHECKOUT.set(True)
+        try:
+            conn = engine.connect()
+        finally:
+            bounds.OWN_CHECKOUT.reset(own)
+        with conn:
             dialect_for(conn.engine).verify()  # the server this connection reached, not the queue's
             pooled = conn.connection
             dbapi_connection = pooled.dbapi_connection
             self.dialect.prepare(pooled.driver_connection)
             autocommitting = self.dialect.autocommitting(dbapi_connection)
-            start = self.dialect.owned_start(mode, autocommitting, idle_timeout)
+            start = self.dialect.owned_start(mode, autocommitting, idle_timeout, pooled.info)
             try:
                 if start.autocommit:
                     conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -174,16 +181,10 @@ class Runner:
                     conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
                 for sql in start.sql:
                     conn.exec_driver_sql(sql)
+                pooled.info.update(start.marks)
                 yield conn
-                if start.end is not None:
-                    conn.exec_driver_sql(start.end)
                 if start.commit:
                     conn.commit()
-            except BaseException:
-                if start.undo is not None and not conn.invalidated:
-                    with contextlib.suppress(Exception):  # (a connection that failed is dropped anyway)
-                        conn.exec_driver_sql(start.undo)
-                raise
             finally:
                 bounds.disarm(dbapi_connection)
 

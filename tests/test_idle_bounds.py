@@ -301,3 +301,37 @@ def test_sqlite_is_unaffected(backend_urls: dict[str, str], queue_name: str) -> 
     got = queue.try_poll_many(3)
     assert sorted(d.key for d in got) == ["k0", "k1", "k2"]
     assert queue.ack_many(got) == 3
+
+
+def test_mariadb_leaves_the_applications_sessions_as_they_were(backend_urls: dict[str, str], queue_name: str) -> None:
+    """MariaDB's idle bound is a session variable: delayq sets it once per pooled connection for its own
+    transactions, and the application's next checkout of that connection finds its own value again."""
+    b = _backend("mysql", backend_urls)
+    if not b.engine.dialect.is_mariadb:  # type: ignore[attr-defined]
+        pytest.skip("MySQL has no idle_transaction_timeout")
+    engine = b.make_engine(pool_size=1, max_overflow=0)
+    sets: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "@delayq_idle_transaction_timeout = COALESCE" in statement:
+            sets.append(statement)
+
+    sa.event.listen(engine, "after_cursor_execute", record)
+    queue = DelayedQueue(engine, queue_name)
+    current = sa.text("SELECT @@session.idle_transaction_timeout")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SET SESSION idle_transaction_timeout = 7")
+        queue.try_poll_many(5)
+        queue.try_poll_many(5)
+        assert len(sets) == 1  # set once, kept for delayq's next transaction on the connection
+        with engine.connect() as conn:
+            assert conn.scalar(current) == 7  # the application's own value
+        queue.try_poll_many(5)
+        assert len(sets) == 2
+        with queue.transaction() as conn:  # a handler's transaction: bounded by the visibility timeout
+            assert conn.scalar(current) == 300
+        with engine.connect() as conn:
+            assert conn.scalar(current) == 7
+    finally:
+        engine.dispose()

@@ -60,16 +60,15 @@ class OwnedStart:
     """How one of delayq's own operations runs on a fresh connection.
 
     ``autocommit``: switch the connection to autocommit for it (one statement is atomic on its
-    own); ``sql``: statements sent first; ``commit``: end with a COMMIT; ``end``: sent instead of the
-    COMMIT statement where the start changed the session (it commits and puts the session back), and
-    ``undo`` likewise when the operation fails (it rolls back and puts the session back).
+    own); ``sql``: statements sent first; ``commit``: end with a COMMIT; ``marks``: what ``sql`` left
+    set on the connection's session, recorded in its pool record once ``sql`` ran (``session`` of
+    ``Dialect.owned_start`` next time).
     """
 
     autocommit: bool = False
     sql: tuple[str, ...] = ()
     commit: bool = True
-    end: str | None = None
-    undo: str | None = None
+    marks: tuple[tuple[str, Any], ...] = ()
 
 
 def claim_limit(n: int) -> sa.ColumnElement[int]:
@@ -333,7 +332,9 @@ class Dialect:
         database's busy wait. Nothing by default."""
         return contextlib.nullcontext()
 
-    def owned_start(self, mode: Mode, autocommitting: bool, idle_s: float | None = None) -> OwnedStart:
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.
 
         ``mode``: see ``Mode``.
@@ -341,8 +342,14 @@ class Dialect:
         ``isolation_level="AUTOCOMMIT"``), so several statements need an explicit BEGIN.
         ``idle_s``: the idle bound (``delayq.dialects.bounds``): where the server can, a transaction
         it begins that sits idle this long is ended by the server; None: no bound.
+        ``session``: what earlier operations left set on this connection's session (``OwnedStart.marks``).
         """
         return OwnedStart()
+
+    def attach(self, engine: sa.Engine) -> None:
+        """Called before each of delayq's own checkouts from ``engine`` (cheap once done): where
+        ``owned_start`` leaves settings on a session, put them back before anyone else's checkout.
+        Nothing by default."""
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         """Whether this driver connection commits every statement by itself (read without a round trip)."""

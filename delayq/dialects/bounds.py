@@ -17,6 +17,7 @@ Two bounds, because a frozen client and a silent network look different from eac
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -32,6 +33,11 @@ IDLE_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 60.0
 """Default call bound: seconds one of delayq's own operations may wait for the database before its
 connection is dropped (``TransientRetry.call_timeout`` overrides it)."""
+
+
+OWN_CHECKOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("delayq_own_checkout", default=False)
+"""True while delayq checks a connection out for its own transaction (a pool event tells it from the
+application's checkouts, which must find the session as the application left it)."""
 
 
 def shut_down(dbapi_connection: Any) -> bool:

@@ -198,7 +198,9 @@ class PostgresDialect(Dialect):
         # one autocommitted statement.
         return "ordered" if limit > 1 else "statement"
 
-    def owned_start(self, mode: Mode, autocommitting: bool, idle_s: float | None = None) -> OwnedStart:
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
         # (psycopg switches autocommit without one), and it leaves nothing open to bound.
         if mode in ("read", "statement", "scan"):
