@@ -161,7 +161,6 @@ class Runner:
         A call bound armed in the block (``bound_calls``) ends with it.
         """
         engine = engine or self.engine
-        dialect_for(engine).attach(engine)
         own = bounds.OWN_CHECKOUT.set(True)
         try:
             conn = engine.connect()

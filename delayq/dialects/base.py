@@ -346,11 +346,6 @@ class Dialect:
         """
         return OwnedStart()
 
-    def attach(self, engine: sa.Engine) -> None:
-        """Called before each of delayq's own checkouts from ``engine`` (cheap once done): where
-        ``owned_start`` leaves settings on a session, put them back before anyone else's checkout.
-        Nothing by default."""
-
     def autocommitting(self, dbapi_connection: Any) -> bool:
         """Whether this driver connection commits every statement by itself (read without a round trip)."""
         return False

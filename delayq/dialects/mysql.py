@@ -9,14 +9,13 @@ would turn every error into a warning, not only the duplicate key.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
+from sqlalchemy.pool import Pool
 
 from delayq.dialects import bounds
 from delayq.dialects.base import (
@@ -53,8 +52,6 @@ MARIADB_MIN = (10, 6)
 # the session sets them; else idle_transaction_timeout, which delayq sets (the session's own value is kept in a
 # user variable and put back before anyone else's checkout).
 _IDLE_MARK = "delayq_idle_transaction_timeout"
-_attached: weakref.WeakSet[sa.Engine] = weakref.WeakSet()  # engines whose checkouts put it back
-_attaching = threading.Lock()
 _PUT_IDLE_BACK = (
     "SET SESSION idle_transaction_timeout = CAST(COALESCE(@delayq_idle_transaction_timeout, 0) AS UNSIGNED),"
     " @delayq_idle_transaction_timeout = NULL"
@@ -83,6 +80,11 @@ def _put_idle_back(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     except Exception as exc:
         raise DisconnectionError(f"could not reset the session's idle_transaction_timeout: {exc}") from exc
     del record.info[_IDLE_MARK]
+
+
+# On every pool, once, as delayq is imported (a listener added to a pool while other threads check connections
+# out of it can break their checkout): it acts only on connections delayq marked, at the cost of a dict lookup.
+sa.event.listen(Pool, "checkout", _put_idle_back)
 
 
 def _code(exc: DBAPIError) -> int | None:
@@ -142,20 +144,13 @@ class MySQLDialect(Dialect):
             # The idle bound, a session variable: set in the same query as the isolation level (mysqlclient
             # sends several statements in one) when the session does not have it yet, and left there for
             # delayq's next transaction on this connection; anyone else's checkout puts the session's own
-            # value back first (``attach``).
+            # value back first (``_put_idle_back``).
             seconds = max(1, math.ceil(idle_s))  # whole seconds only
             if (session or {}).get(_IDLE_MARK) != seconds:
                 isolation = f"{_set_idle(seconds)}; {isolation}"
                 marks = ((_IDLE_MARK, seconds),)
         start = (isolation, "START TRANSACTION") if autocommitting else (isolation,)
         return OwnedStart(sql=start, marks=marks)
-
-    def attach(self, engine: sa.Engine) -> None:
-        if engine not in _attached:
-            with _attaching:
-                if not sa.event.contains(engine, "checkout", _put_idle_back):
-                    sa.event.listen(engine, "checkout", _put_idle_back)
-                _attached.add(engine)
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.get_autocommit())
