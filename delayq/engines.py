@@ -14,16 +14,13 @@ Engines an application builds with ``sqlalchemy.create_engine`` are left as they
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
 
-from delayq.dialects import dialect_class
-from delayq.watchdog import _shut_down
+from delayq.dialects import bounds, dialect_class
 
 __all__ = ["READ_BOUND_SECONDS", "create_engine", "read_bound"]
 
@@ -50,53 +47,29 @@ def create_engine(
 @contextmanager
 def read_bound(engine: sa.Engine, seconds: float = READ_BOUND_SECONDS) -> Iterator[None]:
     """While the block runs, a statement on ``engine`` that has had no reply for ``seconds`` has its
-    connection's socket shut down, so it fails as a lost connection instead of waiting on a server that
-    stopped answering (psycopg has no read timeout; mysqlclient's ``read_timeout`` does the same)."""
-    bound = _CallBound(seconds)
+    connection's socket shut down (``delayq.dialects.bounds``, the call bound), so it fails as a lost
+    connection instead of waiting on a server that stopped answering (psycopg has no read timeout;
+    mysqlclient's ``read_timeout`` does the same)."""
+
+    def before(conn: sa.Connection, *_: Any) -> None:
+        bounds.arm(conn.connection.dbapi_connection, seconds)
+
+    def after(conn: sa.Connection, *_: Any) -> None:
+        bounds.disarm(conn.connection.dbapi_connection)
+
+    def error(context: sa.engine.ExceptionContext) -> None:
+        if context.connection is not None and not context.connection.invalidated:
+            bounds.disarm(context.connection.connection.dbapi_connection)
+
     events: dict[str, Callable[..., Any]] = {
-        "before_cursor_execute": bound.before,
-        "after_cursor_execute": bound.after,
-        "handle_error": bound.error,
+        "before_cursor_execute": before,
+        "after_cursor_execute": after,
+        "handle_error": error,
     }
     for name, fn in events.items():
         sa.event.listen(engine, name, fn)
-    stop = threading.Event()
-    watcher = threading.Thread(target=bound.watch, args=(stop,), name="delayq-read-bound", daemon=True)
-    watcher.start()
     try:
         yield
     finally:
-        stop.set()
-        watcher.join(5)
         for name, fn in events.items():
             sa.event.remove(engine, name, fn)
-
-
-class _CallBound:
-    """The statements under way (by SQLAlchemy connection), since when, on which DBAPI connection."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._calls: dict[int, tuple[Any, float]] = {}
-        self._lock = threading.Lock()
-
-    def before(self, conn: sa.Connection, *_: Any) -> None:
-        with self._lock:
-            self._calls[id(conn)] = (conn.connection.dbapi_connection, time.monotonic())
-
-    def after(self, conn: sa.Connection, *_: Any) -> None:
-        with self._lock:
-            self._calls.pop(id(conn), None)
-
-    def error(self, context: sa.engine.ExceptionContext) -> None:
-        with self._lock:
-            self._calls.pop(id(context.connection), None)
-
-    def watch(self, stop: threading.Event) -> None:
-        while not stop.wait(min(1.0, self.seconds / 4)):
-            now = time.monotonic()
-            with self._lock:
-                stuck = [k for k, (_, since) in self._calls.items() if now - since > self.seconds]
-                dropped = [self._calls.pop(k)[0] for k in stuck]
-            for dbapi_connection in dropped:
-                _shut_down(dbapi_connection)

@@ -337,9 +337,10 @@ class DelayedQueue:
         """A connection in a transaction begun as delayq begins its own; committed on success.
 
         (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL/MariaDB.) Pass it as ``using=``
-        to make queue operations part of the same unit of work as your own statements.
+        to make queue operations part of the same unit of work as your own statements. On PostgreSQL
+        and MariaDB the server ends it when it sits idle longer than the visibility timeout.
         """
-        with self._runner.owned("transaction") as conn:
+        with self._runner.owned("transaction", idle_timeout=self._visibility_ms / 1000) as conn:
             yield conn
 
     def ack_many(self, deliveries: Sequence[Delivery], *, skip_locked: bool = False, using: Using = None) -> int:

@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.util.concurrency import in_greenlet
 
-from delayq.dialects import Dialect, Mode, dialect_for
+from delayq.dialects import Dialect, Mode, bounds, dialect_for
 from delayq.errors import SchemaMissingError, WrongApiError
 from delayq.migrations import check_revision
 from delayq.schema import Tables
@@ -42,12 +42,35 @@ class TransientRetry:
     It retries until ``attempts`` attempts were made or ``budget`` seconds have passed since the
     first one, whichever comes first, with full-jitter backoff from ``first_delay`` doubling to at
     most ``max_delay`` seconds. Defaults: 60 attempts, 30 s (a typical server restart), 20 ms to 2 s.
+
+    Two bounds keep a frozen client or a silent network from holding rows locked, or a thread
+    waiting, for ever (``delayq.dialects.bounds``; docs/workers.md, "Bounds"):
+
+    - ``idle_timeout``: seconds a transaction of delayq's own (several statements: claims, topic
+      polls and fences, dead-letter moves) may sit idle before the server ends it and frees its
+      rows. PostgreSQL and MariaDB; MySQL and SQLite have no such setting. None: 30 s; 0: no bound.
+    - ``call_timeout``: seconds one attempt of delayq's own operation may wait for the database
+      before its connection is dropped (the attempt then fails as a lost connection, and is
+      retried). None: 60 s; 0: no bound. Drivers whose connection has no socket (none of the
+      supported ones) are not bounded.
     """
 
     attempts: int = 60
     first_delay: float = 0.02
     max_delay: float = 2.0
     budget: float = 30.0
+    idle_timeout: float | None = None
+    call_timeout: float | None = None
+
+    def idle_bound(self) -> float | None:
+        """The idle bound in seconds, or None for none."""
+        found = bounds.IDLE_TIMEOUT_S if self.idle_timeout is None else self.idle_timeout
+        return found if found > 0 else None
+
+    def call_bound(self) -> float | None:
+        """The call bound in seconds, or None for none."""
+        found = bounds.CALL_TIMEOUT_S if self.call_timeout is None else self.call_timeout
+        return found if found > 0 else None
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.first_delay * 2**attempt))
@@ -96,18 +119,22 @@ class Runner:
             self._once = Runner(self.engine, self.tables, TransientRetry(attempts=1), self.owner)
         return self._once
 
-    def run(self, using: Using, operation: Operation[T], mode: Mode) -> T:
+    def run(self, using: Using, operation: Operation[T], mode: Mode, *, hosting: float | None = None) -> T:
         """Run ``operation(conn, dialect)`` in the caller's transaction or in one of delayq's own.
 
         ``mode`` says what the operation does, so that delayq's own transaction starts right
         (see ``Mode``); it is retried whole on transient errors. In the caller's transaction it
         runs once and errors reach the caller.
+
+        ``hosting``: the operation runs the user's code (a transactional handler) in delayq's
+        transaction; the idle bound is then this many seconds (the delivery's visibility timeout),
+        and the call bound starts only where the operation calls ``bound_calls``.
         """
         if using is None or isinstance(using, Engine):
             engine = self.engine if using is None else check_sync_engine(using, self.owner)
             if engine.dialect.is_async and not in_greenlet():  # an async engine's sync_engine, called blocking
                 raise WrongApiError(_blocking_call_message(self.owner))
-            return self._retrying(engine, mode, operation)
+            return self._retrying(engine, mode, operation, hosting)
         conn = caller_connection(using, self.owner)
         try:
             dialect_for(conn.engine).verify()
@@ -118,12 +145,15 @@ class Runner:
             self._raise_if_schema_missing(exc)
             raise
 
-    def _retrying(self, engine: Engine, mode: Mode, operation: Operation[T]) -> T:
+    def _retrying(self, engine: Engine, mode: Mode, operation: Operation[T], hosting: float | None = None) -> T:
         """Run ``operation`` in a fresh owned transaction, again on transient errors."""
         attempt, deadline = 0, time.monotonic() + self.retry.budget
+        idle = self.retry.idle_bound() if hosting is None else hosting
         while True:
             try:
-                with self.dialect.writer_turn(mode), self.owned(mode, engine) as conn:
+                with self.dialect.writer_turn(mode), self.owned(mode, engine, idle_timeout=idle) as conn:
+                    if hosting is None:
+                        self.bound_calls(conn)
                     return operation(conn, self.dialect)
             except DBAPIError as exc:
                 attempt += 1
@@ -133,28 +163,49 @@ class Runner:
                     raise
                 time.sleep(pause)
 
+    def bound_calls(self, conn: Connection) -> None:
+        """From now until the end of ``owned``'s block (its COMMIT included), ``conn``'s calls are bounded
+        by the call bound: past it, its connection is dropped (``delayq.dialects.bounds``)."""
+        bounds.arm(conn.connection.dbapi_connection, self.retry.call_bound())
+
     @contextlib.contextmanager
-    def owned(self, mode: Mode, engine: Engine | None = None) -> Iterator[Connection]:
+    def owned(
+        self, mode: Mode, engine: Engine | None = None, *, idle_timeout: float | None = None
+    ) -> Iterator[Connection]:
         """A fresh connection, its transaction begun as ``mode`` needs; committed when the block ends well.
 
         When the block raises, closing the connection rolls back whatever it began, so no
         transaction or lock outlives a failed operation (whatever the pool's reset on return).
+        ``idle_timeout``: the transaction's idle bound in seconds (None: none; see ``TransientRetry``).
+        A call bound armed in the block (``bound_calls``) ends with it.
         """
-        with (engine or self.engine).connect() as conn:
+        engine = engine or self.engine
+        own = bounds.OWN_CHECKOUT.set(True)
+        try:
+            conn = engine.connect()
+        finally:
+            bounds.OWN_CHECKOUT.reset(own)
+        with conn:
             dialect_for(conn.engine).verify()  # the server this connection reached, not the queue's
             pooled = conn.connection
+            dbapi_connection = pooled.dbapi_connection
             self.dialect.prepare(pooled.driver_connection)
-            start = self.dialect.owned_start(mode, self.dialect.autocommitting(pooled.dbapi_connection))
-            if start.autocommit:
-                conn.execution_options(isolation_level="AUTOCOMMIT")
-            elif start.commit:
-                conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
-            for sql in start.sql:
-                conn.exec_driver_sql(sql)
-            check_revision(conn, self.tables)  # once per engine and tables: the schema this delayq needs
-            yield conn
-            if start.commit:
-                conn.commit()
+            autocommitting = self.dialect.autocommitting(dbapi_connection)
+            start = self.dialect.owned_start(mode, autocommitting, idle_timeout, pooled.info)
+            try:
+                if start.autocommit:
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                elif start.commit:
+                    conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
+                for sql in start.sql:
+                    conn.exec_driver_sql(sql)
+                pooled.info.update(start.marks)
+                check_revision(conn, self.tables)  # once per engine and tables: the schema this delayq needs
+                yield conn
+                if start.commit:
+                    conn.commit()
+            finally:
+                bounds.disarm(dbapi_connection)
 
     def _raise_if_schema_missing(self, exc: DBAPIError) -> None:
         if self.dialect.is_missing_table(exc):

@@ -5,22 +5,22 @@ died) can leave a driver waiting for a reply forever: psycopg has no read timeou
 only speak up on an idle socket. The watchdog follows the connections the worker's own loops check
 out of the engine's pool (pool ``checkout`` / ``checkin`` events); one held past ``stall_after`` has
 its socket shut down, which fails the stuck call as a lost connection: SQLAlchemy invalidates it and
-delayq retries on a new one. Drivers without a socket to shut down (mysqlclient) rely on their read
-timeout instead, which ``delayq worker`` sets.
+delayq retries on a new one. The socket is found at checkout, while the connection is idle (mysqlclient
+tells its socket only then).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
+
+from delayq.dialects.bounds import shut_down_socket, socket_of
 
 log = logging.getLogger("delayq.worker")
 
@@ -32,7 +32,8 @@ class Watchdog:
         self.engine = engine
         self.stall_after = stall_after
         self._watched = watched  # the idents of the threads whose calls must not hang
-        self._held: dict[int, tuple[Any, int, float]] = {}  # id(dbapi connection) -> (it, thread, since)
+        # id(dbapi connection) -> (its socket, read at checkout while idle; the thread; since)
+        self._held: dict[int, tuple[tuple[int, int] | None, int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +57,7 @@ class Watchdog:
 
     def _on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
         with self._lock:
-            self._held[id(dbapi_connection)] = (dbapi_connection, threading.get_ident(), time.monotonic())
+            self._held[id(dbapi_connection)] = (socket_of(dbapi_connection), threading.get_ident(), time.monotonic())
 
     def _on_checkin(self, dbapi_connection: Any, record: Any) -> None:
         with self._lock:
@@ -73,24 +74,10 @@ class Watchdog:
         """Drop the connections watched threads have held past ``stall_after``."""
         watched, now = self._watched(), time.monotonic()
         with self._lock:
-            stuck = [(conn, since) for conn, ident, since in self._held.values() if ident in watched]
-        for conn, since in stuck:
-            if now - since > self.stall_after and _shut_down(conn):
+            stuck = [(key, sock, since) for key, (sock, ident, since) in self._held.items() if ident in watched]
+        for key, sock, since in stuck:
+            if now - since > self.stall_after and sock is not None and shut_down_socket(*sock):
                 self.dropped += 1
                 log.warning("a database call has not returned in %.0fs: dropping its connection", now - since)
                 with self._lock:
-                    self._held.pop(id(conn), None)
-
-
-def _shut_down(dbapi_connection: Any) -> bool:
-    """Shut the connection's socket down under the driver (a blocked read then fails); False without one."""
-    fileno = getattr(dbapi_connection, "fileno", None)
-    if fileno is None:
-        return False
-    try:
-        fd = os.dup(fileno())
-    except Exception:  # closed already, or no socket: nothing to shut down
-        return False
-    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    return True
+                    self._held.pop(key, None)

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from delayq import observe
 from delayq.clock import Clock
 from delayq.cron import ScheduleRunner, schedules_for
-from delayq.dialects import dialect_for
+from delayq.dialects import bounds, dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.humanize import human
@@ -107,10 +107,10 @@ class Worker:
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
         listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
-        stall_timeout: a database call of the fetch loop or the heartbeat that has not returned after
-            this long is taken for a connection gone silent, which is dropped (see
-            ``delayq.watchdog``; psycopg only, mysqlclient relies on its read timeout). 60 seconds;
-            None turns the watchdog off.
+        stall_timeout: a database call of the fetch loop or the heartbeat, or the ack and COMMIT of a
+            transactional handler, that has not returned after this long is taken for a connection
+            gone silent, which is dropped (see ``delayq.watchdog``, docs/workers.md "Bounds"). 60
+            seconds; None turns the watchdog off.
 
     Each handler's queue caps deliveries at ``handler.retry.max_attempts``: a message whose
     handler never reaches an outcome (its process dies every time) goes to the dead letters.
@@ -455,7 +455,7 @@ class Worker:
         to_ack = False
         try:
             if handler.transactional:
-                self._handle_in_transaction(handler, queue, delivery)
+                self._handle_in_transaction(handler, queue, delivery, self._stall_timeout)
             else:
                 with observe.handling(delivery):  # the delivery log, metrics and tracing hear of it
                     handler.handle(delivery)
@@ -503,14 +503,20 @@ class Worker:
             )
 
     @staticmethod
-    def _handle_in_transaction(handler: Handler, queue: DelayedQueue, delivery: Delivery) -> None:
-        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin."""
+    def _handle_in_transaction(
+        handler: Handler, queue: DelayedQueue, delivery: Delivery, call_bound: float | None
+    ) -> None:
+        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin.
+
+        The server ends the transaction once idle for the visibility timeout (``queue.transaction``);
+        the ack and the COMMIT, delayq's calls, are bounded by ``call_bound`` (the stall timeout)."""
         begun = False
         try:
             with queue.transaction() as conn:
                 begun = True
                 with observe.handling(delivery):  # begun: from here on it is an attempt
                     handler.handle(delivery, conn)
+                bounds.arm(conn.connection.dbapi_connection, call_bound)  # until the COMMIT returns
                 if not delivery.ack(using=conn):
                     conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)

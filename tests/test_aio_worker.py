@@ -446,9 +446,9 @@ def test_a_silent_connection_is_given_up_after_the_stall_timeout(
     # A claim that reached the server just as its connection went silent stays open there, holding the rows
     # it claimed (seen: 3 of the 5 messages offered after the stall): the server ends it after the claim's
     # idle bound (docs/internals.md), shortened here to keep the test short.
-    from delayq.dialects import postgresql as pg
+    from delayq.dialects import bounds
 
-    monkeypatch.setattr(pg, "CLAIM_IDLE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(bounds, "IDLE_TIMEOUT_S", 2.0)
     handled: Counter[str] = Counter()
 
     async def body(d: AsyncDelivery, _: object) -> None:

@@ -149,9 +149,9 @@ def test_a_batch_claim_frozen_before_its_commit_frees_its_rows_after_the_idle_bo
     go to the other consumers, each once, instead of waiting for the frozen one."""
     if backend.name != "postgresql":
         pytest.skip("PostgreSQL's idle_in_transaction_session_timeout")
-    from delayq.dialects import postgresql as pg
+    from delayq.dialects import bounds
 
-    monkeypatch.setattr(pg, "CLAIM_IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(bounds, "IDLE_TIMEOUT_S", 0.5)
     frozen_engine = backend.make_engine()
     frozen, other = DelayedQueue(frozen_engine, queue_name), DelayedQueue(backend.engine, queue_name)
     other.offer_many([(f"k{i}", i, None) for i in range(5)])

@@ -58,12 +58,15 @@ class OwnedStart:
     """How one of delayq's own operations runs on a fresh connection.
 
     ``autocommit``: switch the connection to autocommit for it (one statement is atomic on its
-    own); ``sql``: statements sent first; ``commit``: end with a COMMIT.
+    own); ``sql``: statements sent first; ``commit``: end with a COMMIT; ``marks``: what ``sql`` left
+    set on the connection's session, recorded in its pool record once ``sql`` ran (``session`` of
+    ``Dialect.owned_start`` next time).
     """
 
     autocommit: bool = False
     sql: tuple[str, ...] = ()
     commit: bool = True
+    marks: tuple[tuple[str, Any], ...] = ()
 
 
 def claim_limit(n: int) -> sa.ColumnElement[int]:
@@ -339,12 +342,17 @@ class Dialect:
         database's busy wait. Nothing by default."""
         return contextlib.nullcontext()
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
         """How a library-owned operation of the given kind runs on a fresh connection.
 
         ``mode``: see ``Mode``.
         ``autocommitting``: the connection is in autocommit already (an engine made with
         ``isolation_level="AUTOCOMMIT"``), so several statements need an explicit BEGIN.
+        ``idle_s``: the idle bound (``delayq.dialects.bounds``): where the server can, a transaction
+        it begins that sits idle this long is ended by the server; None: no bound.
+        ``session``: what earlier operations left set on this connection's session (``OwnedStart.marks``).
         """
         return OwnedStart()
 

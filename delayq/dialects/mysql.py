@@ -8,13 +8,16 @@ would turn every error into a warning, not only the duplicate key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
+from sqlalchemy.pool import Pool
 
+from delayq.dialects import bounds
 from delayq.dialects.base import (
     NEW_KEY,
     NEW_PAYLOAD,
@@ -39,6 +42,46 @@ _MISSING_TABLE = 1146
 _DUPLICATE_KEY = 1062
 MYSQL_MIN = (8, 0, 1)
 MARIADB_MIN = (10, 6)
+
+
+# MariaDB's idle bound: seconds a transaction may sit idle before the server ends it (0: none). A transaction
+# that wrote takes idle_write_transaction_timeout, one that only read idle_readonly_transaction_timeout, where
+# the session sets them; else idle_transaction_timeout, which delayq sets (the session's own value is kept in a
+# user variable and put back before anyone else's checkout).
+_IDLE_MARK = "delayq_idle_transaction_timeout"
+_PUT_IDLE_BACK = (
+    "SET SESSION idle_transaction_timeout = CAST(COALESCE(@delayq_idle_transaction_timeout, 0) AS UNSIGNED),"
+    " @delayq_idle_transaction_timeout = NULL"
+)
+
+
+def _set_idle(seconds: int) -> str:
+    # (Every right-hand side of a SET is evaluated before any assignment: the saved value is the session's.)
+    return (
+        "SET @delayq_idle_transaction_timeout = COALESCE(@delayq_idle_transaction_timeout,"
+        f" @@session.idle_transaction_timeout), SESSION idle_transaction_timeout = {seconds}"
+    )
+
+
+def _put_idle_back(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """A checkout (pool event): if delayq left its idle bound on the session and this checkout is not
+    delayq's own, put the session's own value back first (a connection that cannot is replaced)."""
+    if record.info.get(_IDLE_MARK) is None or bounds.OWN_CHECKOUT.get():
+        return
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(_PUT_IDLE_BACK)
+        finally:
+            cursor.close()
+    except Exception as exc:
+        raise DisconnectionError(f"could not reset the session's idle_transaction_timeout: {exc}") from exc
+    del record.info[_IDLE_MARK]
+
+
+# On every pool, once, as delayq is imported (a listener added to a pool while other threads check connections
+# out of it can break their checkout): it acts only on connections delayq marked, at the cost of a dict lookup.
+sa.event.listen(Pool, "checkout", _put_idle_back)
 
 
 def _code(exc: DBAPIError) -> int | None:
@@ -78,7 +121,9 @@ class MySQLDialect(Dialect):
             "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)", sa.BigInteger
         )
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
         # SET TRANSACTION applies to the next transaction only: the engine keeps its own level.
         # A single statement by primary or unique key locks just its row: no need for it there.
         # A statement that scans does need it: on a table whose statistics say it is nearly
@@ -92,7 +137,18 @@ class MySQLDialect(Dialect):
         isolation = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
         if autocommitting and mode == "scan":  # the statement is a transaction of its own
             return OwnedStart(sql=(isolation,), commit=False)
-        return OwnedStart(sql=(isolation, "START TRANSACTION") if autocommitting else (isolation,))
+        marks: tuple[tuple[str, Any], ...] = ()
+        if idle_s is not None and getattr(self.sa_dialect, "is_mariadb", False):
+            # The idle bound, a session variable: set in the same query as the isolation level (mysqlclient
+            # sends several statements in one) when the session does not have it yet, and left there for
+            # delayq's next transaction on this connection; anyone else's checkout puts the session's own
+            # value back first (``_put_idle_back``).
+            seconds = max(1, math.ceil(idle_s))  # whole seconds only
+            if (session or {}).get(_IDLE_MARK) != seconds:
+                isolation = f"{_set_idle(seconds)}; {isolation}"
+                marks = ((_IDLE_MARK, seconds),)
+        start = (isolation, "START TRANSACTION") if autocommitting else (isolation,)
+        return OwnedStart(sql=start, marks=marks)
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.get_autocommit())

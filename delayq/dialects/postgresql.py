@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
+from delayq.dialects import bounds
 from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
 from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
 from delayq.dialects._pg_listen import PING as PING
@@ -26,21 +27,23 @@ if TYPE_CHECKING:
 
     from delayq.schema import Tables  # (schema builds on dialects.types: its column types)
 
-CLAIM_IDLE_TIMEOUT_S = 30
-"""Seconds a batch claim's transaction may sit idle on the server before the server ends it (see ``claim_begin``)."""
 
+def bounded_begin(idle_s: float | None, sort: bool = True) -> str:
+    """The start of one of delayq's own transactions, in one simple query (no parameters: psycopg sends it
+    as is, in the round trip its own BEGIN would take).
 
-def claim_begin() -> str:
-    """The start of a batch claim's transaction: its plan walks the due index, never a sort (see
-    ``claim_mode_for``); and should its client freeze or its network go silent between the claim and the
-    COMMIT, the server ends the transaction after ``CLAIM_IDLE_TIMEOUT_S`` and the claimed rows, locked
-    until then, are free to claim again (by default it would wait for as long as the connection seems up).
-    One simple query (no parameters: psycopg sends it as is), so a batch claim costs one round trip more
-    than its statement and the COMMIT."""
-    return (
-        "BEGIN; SET LOCAL enable_sort = off;"
-        f" SET LOCAL idle_in_transaction_session_timeout = '{int(CLAIM_IDLE_TIMEOUT_S * 1000)}ms'"
-    )
+    ``idle_s``: should its client freeze or its network go silent between two statements or before the
+    COMMIT, the server ends the transaction after this many idle seconds, and the rows it locked are free
+    again (by default it would wait for as long as the connection seems up); None: no bound. ``sort``
+    False: its plans walk indexes, never a sort (see ``claim_mode_for``). Both settings end with the
+    transaction.
+    """
+    sql = "BEGIN"
+    if not sort:
+        sql += "; SET LOCAL enable_sort = off"
+    if idle_s is not None:
+        sql += f"; SET LOCAL idle_in_transaction_session_timeout = '{max(1, round(idle_s * 1000))}ms'"
+    return sql
 
 
 # serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown,
@@ -131,9 +134,11 @@ class PostgresDialect(Dialect):
         pooled.detach()
         conn: Any = pooled.dbapi_connection
         try:
+            bounds.arm(conn, LISTEN_PING_AFTER)  # its setup, on a connection that may have gone silent
             conn.rollback()
             conn.autocommit = True
             conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+            bounds.disarm(conn)
             heard, pinged, pinger = time.monotonic(), None, None
             while not stop.is_set():
                 for notice in conn.notifies(timeout=0.5):
@@ -152,20 +157,27 @@ class PostgresDialect(Dialect):
                         f"LISTEN {channel}: a test notification did not arrive in {LISTEN_PING_TIMEOUT:.0f}s"
                     )
         finally:
+            bounds.disarm(conn)
             pooled.close()
 
     @staticmethod
     def _ping(engine: sa.Engine, channel: str, previous: threading.Thread | None) -> threading.Thread:
         """Send the test notification from a thread of its own: its connection may hang too, and the
-        listener must go on counting the time (one ping at a time)."""
+        listener must go on counting the time (one ping at a time). Its calls are bounded: past the
+        listener's patience, its connection is dropped, so the thread never waits for ever."""
         if previous is not None and previous.is_alive():
             return previous
 
         def ping() -> None:
             try:
                 with engine.connect() as conn:
-                    conn.execute(sa.select(sa.func.pg_notify(channel, PING)))
-                    conn.commit()
+                    dbapi_connection = conn.connection.dbapi_connection
+                    bounds.arm(dbapi_connection, LISTEN_PING_TIMEOUT)
+                    try:
+                        conn.execute(sa.select(sa.func.pg_notify(channel, PING)))
+                        conn.commit()
+                    finally:
+                        bounds.disarm(dbapi_connection)
             except Exception:  # the missing notification is what the listener acts on
                 return
 
@@ -182,14 +194,16 @@ class PostgresDialect(Dialect):
         # one autocommitted statement.
         return "ordered" if limit > 1 else "statement"
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
         # One statement is atomic on its own: autocommit saves the BEGIN and COMMIT round trips
-        # (psycopg switches autocommit without one).
-        if mode == "ordered":  # BEGIN and the setting in one round trip; the setting ends with the transaction
-            return OwnedStart(autocommit=not autocommitting, sql=(claim_begin(),))
+        # (psycopg switches autocommit without one), and it leaves nothing open to bound.
         if mode in ("read", "statement", "scan"):
             return OwnedStart(autocommit=not autocommitting, commit=False)
-        return OwnedStart(sql=("BEGIN",) if autocommitting else ())
+        # Several: our own BEGIN with the idle bound (and the plan's setting), in the round trip psycopg's
+        # implicit BEGIN would take; the COMMIT ends the transaction as usual.
+        return OwnedStart(autocommit=not autocommitting, sql=(bounded_begin(idle_s, sort=mode != "ordered"),))
 
     def autocommitting(self, dbapi_connection: Any) -> bool:
         return bool(dbapi_connection.autocommit)

@@ -136,9 +136,12 @@ class SQLiteDialect(Dialect):
         # on to SQLite's own wait.
         return contextlib.nullcontext() if mode == "read" else _Turn(self._writers)
 
-    def owned_start(self, mode: Mode, autocommitting: bool) -> OwnedStart:
-        # A read opens no transaction (sqlite3 begins one before data changes only). A transaction
-        # whose first statement writes ("statement", "scan", "writes") takes the write lock as that
+    def owned_start(
+        self, mode: Mode, autocommitting: bool, idle_s: float | None = None, session: Mapping[str, Any] | None = None
+    ) -> OwnedStart:
+        # No idle bound: there is no server to end a transaction (a frozen writer keeps the write lock
+        # until its process ends). A read opens no transaction (sqlite3 begins one before data changes
+        # only). A transaction whose first statement writes ("statement", "scan", "writes") takes the write lock as that
         # statement starts (with the busy timeout), so sqlite3's implicit deferred BEGIN is enough and
         # saves a statement. Several statements that may read before they write, or several on a
         # connection in autocommit (sqlite3 then begins nothing): BEGIN IMMEDIATE.

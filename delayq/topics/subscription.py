@@ -448,6 +448,7 @@ class Subscription:
 
         def op(conn: Connection, dialect: Dialect) -> T:
             result = handler(conn)
+            self.ctx.runner.bound_calls(conn)  # delayq's calls from here, the COMMIT included
             stmts = self.ctx.stmts(dialect)
             key = self._key(delivery.partition)
             lost = conn.execute(stmts.hold_shared, self._fence(key, delivery.epoch)).first() is None
@@ -457,7 +458,8 @@ class Subscription:
                 )
             return result
 
-        return self.ctx.runner.run(using, op, "transaction")
+        # The server ends the transaction once idle for the visibility timeout (docs/topics.md, "Bounds").
+        return self.ctx.runner.run(using, op, "transaction", hosting=self._visibility_ms / 1000)
 
     # -- internals ------------------------------------------------------------------------------------
     def _drop(self, partition: int) -> None:
