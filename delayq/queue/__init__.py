@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import history, observe
-from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
+from delayq.clock import Clock, duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
     NewRow,
@@ -27,9 +27,15 @@ from delayq.dialects.base import (
     prefix_bounds,
     purge_dead_statement,
 )
-from delayq.errors import DelayqError, InvalidInputError, InvalidKeyError, InvalidQueueError, SerializationMismatchError
+from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
-from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, MAX_QUEUE_LENGTH, make_tables
+from delayq.queue._checks import At as At
+from delayq.queue._checks import _due
+from delayq.queue._checks import check_key as check_key
+from delayq.queue._checks import check_prefix as check_prefix
+from delayq.queue._checks import check_queue_name as check_queue_name
+from delayq.queue._checks import check_text as check_text
+from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import JsonSerializer, Serializer, encode
 from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
 
@@ -38,8 +44,6 @@ __all__ = ["At", "DelayedQueue", "Using"]
 T = TypeVar("T")
 log = logging.getLogger("delayq")
 
-At = dt.datetime | dt.timedelta | None
-"""A due time: an aware datetime, a timedelta from now, or None for now."""
 
 OFFER_CHUNK = 500
 """Rows per multi-row INSERT in ``offer_many``."""
@@ -814,48 +818,6 @@ def _new_row(queue: str, payload_type: str, item: _Item, now: int) -> NewRow:
     key, payload, due_at, due_in = item
     due = due_at if due_at is not None else now + (due_in or 0)
     return (queue, key, payload, payload_type, due, due, now, 0)
-
-
-def _due(at: At) -> tuple[int | None, int | None]:
-    """(absolute epoch ms, None) for a datetime; (None, ms from now) for a timedelta or None."""
-    if at is None:
-        return None, 0
-    if isinstance(at, dt.timedelta):
-        return None, duration_ms(at, "at")
-    return to_ms(require_aware(at, "at")), None
-
-
-def check_key(key: object) -> str:
-    """Return a valid message key or raise ``InvalidKeyError``."""
-    return check_text(key, "key", MAX_KEY_LENGTH, InvalidKeyError)
-
-
-def check_prefix(prefix: object) -> str:
-    """Return a valid, non-empty key prefix or raise ``InvalidKeyError``."""
-    return check_text(prefix, "key prefix", MAX_KEY_LENGTH, InvalidKeyError)
-
-
-def check_queue_name(name: object) -> str:
-    """Return a valid queue name or raise ``InvalidQueueError``."""
-    return check_text(name, "queue name", MAX_QUEUE_LENGTH, InvalidQueueError)
-
-
-def check_text(value: object, what: str, limit: int, error: type[InvalidInputError]) -> str:
-    """Return ``value`` if it is text a column of ``limit`` characters stores on every backend, else raise ``error``."""
-    if not isinstance(value, str):
-        raise error(f"{what} must be a str, got {type(value).__name__}")
-    if not value:
-        raise error(f"{what} must not be empty")
-    if len(value) > limit:
-        raise error(f"{what} is {len(value)} characters long; at most {limit} fit: {value[:40]!r}...")
-    if "\x00" in value:
-        raise error(f"{what} must not contain NUL characters (PostgreSQL cannot store them)")
-    if not value.isascii():  # (ASCII text, the usual key, holds no surrogate: no need to encode it)
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise error(f"{what} is not valid text: it contains a lone surrogate") from None
-    return value
 
 
 def new_token(claimed_ms: int | None = None) -> str:
