@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import secrets
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +31,9 @@ from delayq.queue._checks import check_key as check_key
 from delayq.queue._checks import check_prefix as check_prefix
 from delayq.queue._checks import check_queue_name as check_queue_name
 from delayq.queue._checks import check_text as check_text
+from delayq.queue._lost import _lost_locks
+from delayq.queue._tokens import claimed_at as claimed_at
+from delayq.queue._tokens import new_token as new_token
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import JsonSerializer, Serializer, encode
 from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
@@ -47,52 +46,6 @@ log = logging.getLogger("delayq")
 
 OFFER_CHUNK = 500
 """Rows per multi-row INSERT in ``offer_many``."""
-
-
-class _LostLocks:
-    """The deliveries (id, lock token) whose lost lock was counted: each is counted once, whichever of
-    the heartbeat (``extend_many``), ``ack``, ``retry``, ``extend`` or ``dead_letter`` finds it gone.
-
-    Bounded: the oldest entries go first. A delivery is asked about again within its handler's run, long
-    before ``SIZE`` other lost locks pass.
-    """
-
-    SIZE = 10_000
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple[int, str], None] = {}
-        self._lock = threading.Lock()
-
-    def count(self, queue: str, lost: Iterable[tuple[int, str]]) -> None:
-        """Count the lost locks of ``lost`` not counted before."""
-        with self._lock:
-            new = self._mark(lost)
-        observe.count("lock_lost", queue, new)
-
-    def count_unacked(self, queue: str, pairs: Sequence[tuple[int, str]], acked: int) -> None:
-        """An ack deleted ``acked`` of ``pairs``, none of which is held any more: the others' locks are lost.
-
-        Which ones is not known (the deleted rows are gone): those counted before are among them,
-        and from now on all of ``pairs`` are marked (the acked ones are finished: when a heartbeat
-        finds them gone, that is no lost lock).
-        """
-        with self._lock:
-            already = sum(1 for p in pairs if p in self._seen)
-            self._mark(pairs)
-        observe.count("lock_lost", queue, max(0, len(pairs) - acked - already))
-
-    def _mark(self, pairs: Iterable[tuple[int, str]]) -> int:
-        new = 0
-        for p in pairs:
-            if p not in self._seen:
-                self._seen[p] = None
-                new += 1
-        while len(self._seen) > self.SIZE:
-            del self._seen[next(iter(self._seen))]
-        return new
-
-
-_lost_locks = _LostLocks()
 
 
 class DelayedQueue:
@@ -818,22 +771,3 @@ def _new_row(queue: str, payload_type: str, item: _Item, now: int) -> NewRow:
     key, payload, due_at, due_in = item
     due = due_at if due_at is not None else now + (due_in or 0)
     return (queue, key, payload, payload_type, due, due, now, 0)
-
-
-def new_token(claimed_ms: int | None = None) -> str:
-    """A fresh lock token: one per claim attempt, unique, in the UUID version 7 layout: its first 48 bits
-    are the claim's time in epoch ms (the injected clock's, else this process's; for display only, see
-    ``claimed_at``), the other 74 are random."""
-    ms = time.time_ns() // 1_000_000 if claimed_ms is None else claimed_ms
-    bits = (ms & (1 << 48) - 1) << 80 | 0x7 << 76 | secrets.randbits(12) << 64 | 0b10 << 62 | secrets.randbits(62)
-    return str(uuid.UUID(int=bits))
-
-
-def claimed_at(token: str | None) -> dt.datetime | None:
-    """When the claim that set ``token`` ran (see ``new_token``); None for another kind of token."""
-    if token is None or len(token) != 36 or token[14] != "7":
-        return None
-    try:
-        return from_ms(int(token[:8] + token[9:13], 16))
-    except ValueError:
-        return None
