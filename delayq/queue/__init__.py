@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import history, observe
-from delayq.clock import Clock, duration_ms, from_ms, to_ms
+from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
     NewRow,
@@ -25,6 +24,7 @@ from delayq.dialects.base import (
 )
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
 from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
+from delayq.queue._base import _QueueBase
 from delayq.queue._checks import At as At
 from delayq.queue._checks import _due
 from delayq.queue._checks import check_key as check_key
@@ -34,13 +34,11 @@ from delayq.queue._checks import check_text as check_text
 from delayq.queue._lost import _lost_locks
 from delayq.queue._tokens import claimed_at as claimed_at
 from delayq.queue._tokens import new_token as new_token
-from delayq.schema import DEFAULT_PREFIX, make_tables
-from delayq.serializers import JsonSerializer, Serializer, encode
-from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
+from delayq.serializers import encode
+from delayq.transactions import Using
 
 __all__ = ["At", "DelayedQueue", "Using"]
 
-T = TypeVar("T")
 log = logging.getLogger("delayq")
 
 
@@ -48,7 +46,7 @@ OFFER_CHUNK = 500
 """Rows per multi-row INSERT in ``offer_many``."""
 
 
-class DelayedQueue:
+class DelayedQueue(_QueueBase):
     """One named queue of delayed messages in a relational database.
 
     Args:
@@ -71,40 +69,6 @@ class DelayedQueue:
     Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
     transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.
     """
-
-    def __init__(
-        self,
-        engine: Engine,
-        name: str,
-        *,
-        visibility_timeout: dt.timedelta = dt.timedelta(minutes=5),
-        serializer: Serializer | None = None,
-        clock: Clock | None = None,
-        table_prefix: str = DEFAULT_PREFIX,
-        schema: str | None = None,
-        transient_retry: TransientRetry = DEFAULT_RETRY,
-        notify: bool = True,
-        max_deliveries: int | None = None,
-    ) -> None:
-        self.name = check_queue_name(name)
-        self.engine = engine
-        self.visibility_timeout = visibility_timeout
-        self._visibility_ms = duration_ms(visibility_timeout, "visibility_timeout")
-        if self._visibility_ms <= 0:
-            raise InvalidInputError("visibility_timeout must be positive")
-        self.serializer: Serializer = serializer or JsonSerializer()
-        self.clock = clock
-        self.notify = notify
-        if max_deliveries is not None and max_deliveries < 1:
-            raise InvalidInputError("max_deliveries must be at least 1")
-        self.max_deliveries = max_deliveries
-        self.tables = make_tables(table_prefix, schema)
-        self._runner = Runner(engine, self.tables, transient_retry)
-        self._claiming: str | None = None
-        """The token of the claim under way, or of the last one whose reply never came (``_give_back``)."""
-
-    def __repr__(self) -> str:
-        return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
 
     # -- producers ------------------------------------------------------------------------------
     def offer(
@@ -257,16 +221,6 @@ class DelayedQueue:
             return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
 
         return self._runner.run(using, op, "read")
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[Connection]:
-        """A connection in a transaction begun as delayq begins its own; committed on success.
-
-        (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL/MariaDB.) Pass it as ``using=``
-        to make queue operations part of the same unit of work as your own statements.
-        """
-        with self._runner.owned("transaction") as conn:
-            yield conn
 
     def ack_many(self, deliveries: Sequence[Delivery], *, skip_locked: bool = False, using: Using = None) -> int:
         """Delete delivered messages whose locks these deliveries still hold; returns how many.
@@ -622,22 +576,7 @@ class DelayedQueue:
 
         return self._runner.run(using, op, "transaction")
 
-    def run(self, operation: Callable[[Connection], T], *, using: Using = None) -> T:
-        """Run ``operation(conn)`` in one transaction: delayq's own (retried whole on transient errors)
-        or the caller's. Pass ``conn`` as ``using=`` to the queue operations inside."""
-        return self._runner.run(using, lambda conn, _: operation(conn), "transaction")
-
     # -- internals ------------------------------------------------------------------------------
-    def _statements(self, dialect: Dialect) -> Statements:
-        return dialect.statements(self.tables, self.clock is not None, self.notify)
-
-    def _now_param(self) -> dict[str, int]:
-        return {} if self.clock is None else {"now": to_ms(self.clock.now())}
-
-    def _now_ms(self, conn: Connection, stmts: Statements) -> int:
-        if self.clock is not None:
-            return to_ms(self.clock.now())
-        return int(conn.execute(stmts.now_select).scalar_one())
 
     def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
         return self._item_params(self._item(key, payload, at))
@@ -747,20 +686,6 @@ class DelayedQueue:
                 # the visibility timeout, to be dead-lettered by that claim.
                 log.warning("%s: could not move them now (%s)", self.name, type(exc.orig).__name__)
         return deliveries
-
-    def _decode(self, key: str, payload_type: str, payload: bytes) -> Any:
-        tag = self.serializer.type_tag
-        if payload_type != tag:
-            raise SerializationMismatchError(
-                f"message {key!r} in queue {self.name!r} was written as {payload_type!r} but this queue "
-                f"reads {tag!r}: use the serializer that wrote it, or cancel the message"
-            )
-        try:
-            return self.serializer.loads(bytes(payload))
-        except (TypeError, ValueError) as exc:
-            raise SerializationMismatchError(
-                f"message {key!r} in queue {self.name!r} cannot be decoded as {tag!r}: {exc}"
-            ) from exc
 
 
 _Item = tuple[str, bytes, int | None, int | None]
