@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,7 +15,6 @@ from delayq import history, observe
 from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
-    NewRow,
     cancel_prefix_keeping_statement,
     cancel_prefix_statement,
     coalesce_statements,
@@ -23,8 +22,7 @@ from delayq.dialects.base import (
     purge_dead_statement,
 )
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
-from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
-from delayq.queue._base import _QueueBase
+from delayq.messages import DeadMessage, Delivery, Message, QueueStats
 from delayq.queue._checks import At as At
 from delayq.queue._checks import _due
 from delayq.queue._checks import check_key as check_key
@@ -32,9 +30,10 @@ from delayq.queue._checks import check_prefix as check_prefix
 from delayq.queue._checks import check_queue_name as check_queue_name
 from delayq.queue._checks import check_text as check_text
 from delayq.queue._lost import _lost_locks
+from delayq.queue._offer import OFFER_CHUNK as OFFER_CHUNK
+from delayq.queue._offer import _Offers
 from delayq.queue._tokens import claimed_at as claimed_at
 from delayq.queue._tokens import new_token as new_token
-from delayq.serializers import encode
 from delayq.transactions import Using
 
 __all__ = ["At", "DelayedQueue", "Using"]
@@ -42,11 +41,7 @@ __all__ = ["At", "DelayedQueue", "Using"]
 log = logging.getLogger("delayq")
 
 
-OFFER_CHUNK = 500
-"""Rows per multi-row INSERT in ``offer_many``."""
-
-
-class DelayedQueue(_QueueBase):
+class DelayedQueue(_Offers):
     """One named queue of delayed messages in a relational database.
 
     Args:
@@ -71,85 +66,6 @@ class DelayedQueue(_QueueBase):
     """
 
     # -- producers ------------------------------------------------------------------------------
-    def offer(
-        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: Using = None
-    ) -> OfferOutcome:
-        """Store a message due at ``at`` unless one with this key exists in the queue.
-
-        With ``update=True`` an existing message is replaced (payload and due time; its
-        attempts and error are reset, and a consumer's lock on it is cleared, so that
-        consumer's ack deletes nothing). Replacing with identical content is ``IGNORED``;
-        a relative ``at`` is measured from now, so it differs on every call.
-        """
-        params = self._offer_params(key, payload, at)
-        with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
-
-            def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
-                outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
-                if headers and outcome is not OfferOutcome.IGNORED:
-                    self._store_headers(conn, dialect, [params["msg_key"]], headers)
-                return outcome
-
-            outcome = self._runner.run(using, op, "statement" if not (update or headers) else "transaction")
-        observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
-        return outcome
-
-    def offer_many(
-        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
-    ) -> list[OfferOutcome]:
-        """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
-
-        All items are validated first: a bad one raises before anything is written. A key
-        that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``).
-        """
-        prepared = [self._item(key, payload, at) for key, payload, at in items]
-        if not prepared:
-            return []
-        with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using)
-        observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
-        return found
-
-    def _store_headers(self, conn: Connection, dialect: Dialect, keys: list[str], headers: dict[str, str]) -> None:
-        """Keep ``headers`` with the messages just offered under ``keys``."""
-        stmt = self._statements(dialect).memo(history.statements).set_headers
-        conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
-
-    def _offer_prepared(
-        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using
-    ) -> list[OfferOutcome]:
-        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
-            stmts = self._statements(dialect)
-            now = self._now_ms(conn, stmts)
-            outcomes: list[OfferOutcome | None] = [None] * len(prepared)
-            keys = [key for key, *_ in prepared]
-            first: dict[str, int] = {}
-            for i, key in enumerate(keys):
-                first.setdefault(key, i)
-            firsts = list(first.values())
-            queue, tag = self.name, self.serializer.type_tag
-            for start in range(0, len(firsts), OFFER_CHUNK):
-                chunk = firsts[start : start + OFFER_CHUNK]
-                rows = [_new_row(queue, tag, prepared[i], now) for i in chunk]
-                created = dialect.insert_many_if_absent(conn, stmts, queue, rows)
-                for i in chunk:
-                    if keys[i] in created:
-                        outcomes[i] = OfferOutcome.CREATED
-            for i, item in enumerate(prepared):
-                if outcomes[i] is None:
-                    outcomes[i] = (
-                        self._offer_one(conn, dialect, stmts, self._item_params(item), update=True)
-                        if update
-                        else OfferOutcome.IGNORED
-                    )
-            if headers:
-                done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
-                for start in range(0, len(done), OFFER_CHUNK):
-                    self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
-            return [o for o in outcomes if o is not None]
-
-        return self._runner.run(using, op, "transaction")
 
     # -- consumers ------------------------------------------------------------------------------
     def try_poll(self, *, using: Using = None) -> Delivery | None:
@@ -578,61 +494,6 @@ class DelayedQueue(_QueueBase):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
-        return self._item_params(self._item(key, payload, at))
-
-    def _item(self, key: str, payload: Any, at: At) -> _Item:
-        """An offered message validated and encoded; raises on bad input before anything is sent."""
-        return check_key(key), encode(self.serializer, payload), *_due(at)
-
-    def _item_params(self, item: _Item) -> dict[str, Any]:
-        """The parameters of the one-message offer statements for a validated item."""
-        key, payload, due_at, due_in = item
-        return {
-            "queue_name": self.name,
-            "msg_key": key,
-            "payload": payload,
-            "payload_type": self.serializer.type_tag,
-            "due_at": due_at,
-            "due_in": due_in,
-            **self._now_param(),
-        }
-
-    def _offer_one(
-        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
-    ) -> OfferOutcome:
-        while True:
-            if dialect.insert_if_absent(conn, stmts, params):
-                return OfferOutcome.CREATED
-            if not update:
-                return OfferOutcome.IGNORED
-            row = conn.execute(stmts.lock_for_update, params).first()
-            if row is None:
-                continue  # a consumer acked it since the insert: offer it afresh
-            due = params["due_at"] if params["due_at"] is not None else row.now + params["due_in"]
-            if (
-                bytes(row.payload) == params["payload"]
-                and row.payload_type == params["payload_type"]
-                and row.scheduled_at_initially == due
-            ):
-                return OfferOutcome.IGNORED
-            swapped = conn.execute(
-                stmts.replace,
-                {
-                    "msg_id": row.id,
-                    "old_scheduled_at_initially": row.scheduled_at_initially,
-                    "old_created_at": row.created_at,
-                    "payload": params["payload"],
-                    "payload_type": params["payload_type"],
-                    "new_scheduled_at": due,
-                    "new_created_at": row.now,
-                },
-            ).rowcount
-            if swapped == 1:
-                if stmts.notify is not None:
-                    conn.execute(stmts.notify, params)
-                return OfferOutcome.UPDATED
-
     def _deliveries(self, rows: list[ClaimedRow], using: Using) -> list[Delivery]:
         """The deliveries of one claim, each row decoded on its own.
 
@@ -686,13 +547,3 @@ class DelayedQueue(_QueueBase):
                 # the visibility timeout, to be dead-lettered by that claim.
                 log.warning("%s: could not move them now (%s)", self.name, type(exc.orig).__name__)
         return deliveries
-
-
-_Item = tuple[str, bytes, int | None, int | None]
-"""An offered message, validated and encoded: (key, payload, due at in epoch ms, or due in ms from now)."""
-
-
-def _new_row(queue: str, payload_type: str, item: _Item, now: int) -> NewRow:
-    key, payload, due_at, due_in = item
-    due = due_at if due_at is not None else now + (due_in or 0)
-    return (queue, key, payload, payload_type, due, due, now, 0)
