@@ -22,27 +22,7 @@ from delayq.transactions import Using
 
 
 class _Queued(_QueueBase):
-    """``get``, ``cancel``, ``reschedule``, ``stats`` and the other operations on messages of ``DelayedQueue``."""
-
-    def attempt_history(self, key: str, *, using: Using = None) -> tuple[history.AttemptRecord, ...]:
-        """The failed attempts of the message under ``key``, oldest first (empty when none, or no message)."""
-        params = {"queue_name": self.name, "msg_key": check_key(key)}
-
-        def op(conn: Connection, dialect: Dialect) -> tuple[history.AttemptRecord, ...]:
-            stored = conn.execute(self._statements(dialect).memo(history.statements).history_of, params)
-            return history.parse(stored.scalar())
-
-        return self._runner.run(using, op, "read")
-
-    def headers(self, key: str, *, using: Using = None) -> dict[str, str]:
-        """The headers an offer stored with the message under ``key`` (the trace context, with tracing on)."""
-        params = {"queue_name": self.name, "msg_key": check_key(key)}
-
-        def op(conn: Connection, dialect: Dialect) -> dict[str, str]:
-            stored = conn.execute(self._statements(dialect).memo(history.statements).headers_of, params)
-            return history.load_headers(stored.scalar())
-
-        return self._runner.run(using, op, "read")
+    """``get``, ``cancel``, ``reschedule``, ``stats`` and the key-prefix operations of ``DelayedQueue``."""
 
     def get(self, key: str, *, using: Using = None) -> Message | None:
         """The message stored under ``key``, or None."""
