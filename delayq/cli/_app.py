@@ -1,8 +1,4 @@
-"""The ``delayq`` command: migrate, demo, worker, and the operator's view of queued messages.
-
-Every command takes ``--url`` (or ``DELAYQ_URL``; default ``sqlite:///delayq.db``). Bad input prints one
-line saying what to do and exits with code 2, without a traceback.
-"""
+"""The ``delayq`` command assembled: every command registered on ``main``, the topics' group included."""
 
 from __future__ import annotations
 
@@ -22,28 +18,28 @@ import click
 import sqlalchemy as sa
 
 from delayq import engines, migrations
-from delayq._cli_common import ASYNC_DRIVERS as ASYNC_DRIVERS
-from delayq._cli_common import DRIVER_HINTS as DRIVER_HINTS
-from delayq._cli_common import INSTALL as INSTALL
-from delayq._cli_common import OTHER_DRIVERS as OTHER_DRIVERS
-from delayq._cli_common import STATE_COLOURS as STATE_COLOURS
-from delayq._cli_common import Fail as Fail
-from delayq._cli_common import _cell, opened
-from delayq._cli_common import check_schema as check_schema
-from delayq._cli_common import check_sqlite_file as check_sqlite_file
-from delayq._cli_common import check_url as check_url
-from delayq._cli_common import connect as connect
-from delayq._cli_common import emit as emit
-from delayq._cli_common import friendly as friendly
-from delayq._cli_common import json_value as json_value
-from delayq._cli_common import relative as relative
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
+from delayq.cli._common import (
+    STATE_COLOURS,
+    Fail,
+    _cell,
+    check_schema,
+    check_sqlite_file,
+    check_url,
+    connect,
+    emit,
+    friendly,
+    json_value,
+    opened,
+    relative,
+)
 from delayq.errors import install_hint
 from delayq.handler import Handler
 from delayq.humanize import human, shorten
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
+from delayq.topics.cli import topics
 from delayq.worker import Worker
 
 DEFAULT_URL = "sqlite:///delayq.db"
@@ -776,15 +772,4 @@ def cron_uninstall(ctx: click.Context, queue: str, name: str, yes: bool) -> None
 
 
 # -- topics --------------------------------------------------------------------------------------------
-def _add_topics() -> None:
-    from delayq.topics.cli import topics  # (its commands build on delayq._cli_common, as these do)
-
-    main.add_command(topics)
-
-
-if __name__ == "__main__":  # `python -m delayq.cli`: run the package's module, which has every command
-    from delayq.cli import main as packaged
-
-    packaged()
-else:
-    _add_topics()
+main.add_command(topics)
