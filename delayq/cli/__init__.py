@@ -14,11 +14,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from delayq.cli._app import main as main
+    from delayq.cli._root import main as main
 
 __all__ = ["main"]
 
-_PARTS = ("_app", "_common")
+_PARTS = ("_app", "_root", "_common")
 """The modules that define the names below."""
 
 _NAMES = frozenset(
