@@ -16,8 +16,9 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from delayq import engines, migrations
+from delayq import engines
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages, queue_names
+from delayq.cli import _setup  # noqa: F401  (each registers its commands on main)
 from delayq.cli._common import (
     STATE_COLOURS,
     Fail,
@@ -32,7 +33,7 @@ from delayq.cli._common import (
     opened,
     relative,
 )
-from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, shown_url, unknown_queue_note
+from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
 from delayq.errors import install_hint
 from delayq.handler import Handler
 from delayq.humanize import human, shorten
@@ -45,35 +46,6 @@ LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 # -- setup --------------------------------------------------------------------------------------------
-@main.command()
-@click.option("--revision", default="heads", show_default=True, help="Alembic revision to upgrade to.")
-@click.option("--schema", default=None, help="Database schema of the tables.")
-@click.pass_context
-@friendly
-def migrate(ctx: click.Context, revision: str, schema: str | None) -> None:
-    """Create or upgrade delayq's tables (Alembic's upgrade on delayq's packaged migrations)."""
-    url = ctx.obj["url"]
-    check_url(url)
-    shown = shown_url(url)
-    migrations.upgrade(url, revision, prefix=ctx.obj["prefix"], schema=schema)
-    click.echo(f"delayq tables are at {revision} in {shown}")
-
-
-@main.command()
-@click.option(
-    "--seconds",
-    default=6.0,
-    show_default=True,
-    type=click.FloatRange(min=0, max=3600),
-    help="The worker runs at least this long, then until every email is sent or dead (at most 60 s more).",
-)
-@click.pass_context
-@friendly
-def demo(ctx: click.Context, seconds: float) -> None:
-    """A tour on the embedded default: offers, retries, a dead letter, a cron schedule, a worker."""
-    from delayq.demo import run_demo
-
-    run_demo(ctx.obj["url"], seconds)
 
 
 # -- workers ------------------------------------------------------------------------------------------
