@@ -288,14 +288,14 @@ def test_cancel_by_key_prefix_asks_first_and_shows_progress(
 ) -> None:
     import click._termui_impl
 
-    import delayq.cli._app
+    import delayq.cli._messages
 
     q = DelayedQueue(backend.engine, queue_name)
     q.offer_many([(f"user-1-{i}", i, None) for i in range(5)] + [("user-10", 0, None), ("other", 0, None)])
     declined = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="n\n")
     assert declined.exit_code == 1 and q.stats().ready == 7
     # Chunks of two keys at most (a DELETE under a longer prefix each), the bar drawn as on a terminal.
-    monkeypatch.setattr(delayq.cli._app, "CANCEL_CHUNK", 2)
+    monkeypatch.setattr(delayq.cli._messages, "CANCEL_CHUNK", 2)
     monkeypatch.setattr(click._termui_impl, "isatty", lambda _: True)
     cancelled: list[str] = []
     cancel_prefix = DelayedQueue.cancel_prefix
