@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_PARTS = ("_app", "_messages", "_stats", "_worker", "_setup", "_root", "_common")
+_PARTS = ("_app", "_dead_letters", "_messages", "_stats", "_worker", "_setup", "_root", "_common")
 """The modules that define the names below."""
 
 _NAMES = frozenset(
