@@ -3,9 +3,12 @@
 Every command takes ``--url`` (or ``DELAYQ_URL``; default ``sqlite:///delayq.db``). Bad input prints one
 line saying what to do and exits with code 2, without a traceback.
 
-``main`` (the console script ``delayq``) and the command line's other names are imported on first use:
-``delayq.topics.cli`` builds on ``delayq.cli._common`` without importing the commands, which include its
-own.
+One module per command group, each registering its commands on ``main`` (``_root``: the group and what
+its commands share): ``_setup`` (migrate, demo), ``_worker``, ``_messages`` (enqueue, ls, show,
+reschedule, run-now, cancel), ``_dead_letters`` (dead requeue/purge), ``_stats`` (stats, top), ``_cron``;
+``_app`` imports them all and adds ``delayq.topics.cli``'s group. ``_common`` is what they share with
+``delayq.topics.cli``, which imports it without the commands: ``main`` (the console script) and the
+other names of ``delayq.cli`` are imported on first use.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_PARTS = ("_app", "_dead_letters", "_messages", "_stats", "_worker", "_setup", "_root", "_common")
-"""The modules that define the names below."""
+_PARTS = ("_root", "_setup", "_worker", "_messages", "_dead_letters", "_stats", "_cron", "_common")
+"""The modules that define the names of ``_NAMES``."""
 
 _NAMES = frozenset(
     [
