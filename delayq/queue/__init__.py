@@ -1,4 +1,10 @@
-"""DelayedQueue: offer messages due at a time, poll the due ones under a lock, ack them."""
+"""DelayedQueue: offer messages due at a time, poll the due ones under a lock, ack them.
+
+The class is made of one part per job, each in its own module: ``_offer`` (the offer path), ``_claims``
+(claim, ack, extend, retry, dead-letter, give back), ``_queued`` (operations on queued messages),
+``_dead`` (the dead letters), on ``_base`` (the constructor, transactions, "now", decoding); ``_checks``
+validates what callers pass, ``_tokens`` makes lock tokens, ``_lost`` counts lost locks.
+"""
 
 from __future__ import annotations
 
