@@ -81,6 +81,7 @@ _NAMES = frozenset(
 
 
 def __getattr__(name: str) -> Any:
+    """A name of ``_NAMES``, from the module that defines it, once every command is registered."""
     if name not in _NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from delayq.cli import _app  # noqa: F401  (every command registered on ``main``)
