@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import uuid
 
 import pytest
 from conftest import Backend, make_async_engine
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from delayq import OfferOutcome, Subscription, Topic
+from delayq import OfferOutcome
 from delayq.aio import AsyncSubscription, AsyncTopic
 
 
@@ -47,13 +46,3 @@ def test_publish_in_an_async_session_commits_or_rolls_back_and_a_group_consumes_
             await engine.dispose()
 
     asyncio.run(main())
-
-
-def test_every_public_operation_of_topics_has_an_async_twin() -> None:
-    def public(cls: type) -> set[str]:
-        return {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
-
-    for sync, aio in ((Topic, AsyncTopic), (Subscription, AsyncSubscription)):
-        assert public(sync) <= public(aio), public(sync) - public(aio)
-        for name in public(sync):
-            assert inspect.iscoroutinefunction(getattr(aio, name)), name

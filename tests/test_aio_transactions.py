@@ -144,25 +144,6 @@ def test_the_async_api_refuses_what_is_not_async_and_the_sync_api_points_to_it(b
         asyncio.run(queue.offer("k", 1, using=conn))  # type: ignore[arg-type]
 
 
-def test_every_public_operation_of_the_sync_queue_and_delivery_has_an_async_twin() -> None:
-    import inspect
-
-    from delayq import Delivery
-    from delayq.aio import AsyncDelivery
-
-    def public(cls: type) -> set[str]:
-        return {n for n in dir(cls) if not n.startswith("_")}
-
-    # run(operation) takes a sync callable: with the async API, use transaction() or your own session.
-    assert public(DelayedQueue) - {"run", "engine", "clock", "notify", "serializer", "tables", "max_deliveries"} <= (
-        public(AsyncDelayedQueue) | {"visibility_timeout"}
-    )
-    assert public(Delivery) <= public(AsyncDelivery)
-    for name in public(Delivery):
-        if callable(getattr(Delivery, name)):
-            assert inspect.iscoroutinefunction(getattr(AsyncDelivery, name)), name
-
-
 def test_a_callers_async_transaction_gets_the_transient_error_unretried(backend: Backend, queue_name: str) -> None:
     from sqlalchemy.exc import DBAPIError
 

@@ -288,14 +288,14 @@ def test_cancel_by_key_prefix_asks_first_and_shows_progress(
 ) -> None:
     import click._termui_impl
 
-    import delayq.cli
+    import delayq.cli._messages
 
     q = DelayedQueue(backend.engine, queue_name)
     q.offer_many([(f"user-1-{i}", i, None) for i in range(5)] + [("user-10", 0, None), ("other", 0, None)])
     declined = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="n\n")
     assert declined.exit_code == 1 and q.stats().ready == 7
     # Chunks of two keys at most (a DELETE under a longer prefix each), the bar drawn as on a terminal.
-    monkeypatch.setattr(delayq.cli, "CANCEL_CHUNK", 2)
+    monkeypatch.setattr(delayq.cli._messages, "CANCEL_CHUNK", 2)
     monkeypatch.setattr(click._termui_impl, "isatty", lambda _: True)
     cancelled: list[str] = []
     cancel_prefix = DelayedQueue.cancel_prefix
@@ -465,7 +465,7 @@ def test_urls_of_drivers_delayq_is_not_tested_on_get_the_hint(
     if not installed:
         monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     elif not really:
-        monkeypatch.setattr("delayq._cli_common._importable", lambda _: True)  # as if it were
+        monkeypatch.setattr("delayq.cli._common._importable", lambda _: True)  # as if it were
     result = CliRunner().invoke(main, ["--url", url, "stats"])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     if not installed:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import click
 import sqlalchemy as sa
 
-from delayq._cli_common import Fail, connect, emit, friendly, relative
 from delayq.browse import database_now
+from delayq.cli._common import Fail, connect, emit, friendly, relative
 from delayq.humanize import human
 from delayq.schema import make_tables
 from delayq.topics.topic import Topic

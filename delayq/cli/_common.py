@@ -1,5 +1,5 @@
 """What every command of the ``delayq`` command line shares: one-line failures, the URL's checks, the
-connection, and the output (a leaf below ``delayq.cli`` and ``delayq.topics.cli``)."""
+connection, and the output (below the command modules and ``delayq.topics.cli``)."""
 
 from __future__ import annotations
 

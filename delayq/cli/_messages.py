@@ -1,0 +1,277 @@
+"""The operator's commands on queued messages: enqueue, ls, show, reschedule, run-now, cancel."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
+from delayq.cli._common import STATE_COLOURS, Fail, _cell, connect, emit, friendly, json_value, relative
+from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
+from delayq.humanize import human, shorten
+from delayq.queue import DelayedQueue, check_prefix, check_queue_name
+from delayq.schema import make_tables
+
+PAYLOAD_SHOWN = 200
+"""Characters of a payload (as JSON) that listings show; ``show`` and ``ls --full`` show it whole."""
+
+
+@main.command(name="ls")
+@click.argument("queue")
+@click.option("--state", type=click.Choice([s.value for s in State]), help="Only messages in this state.")
+@click.option("--key-prefix", help="Only keys that start with this.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters).")
+@click.pass_context
+@friendly
+def ls(
+    ctx: click.Context,
+    queue: str,
+    state: str | None,
+    key_prefix: str | None,
+    limit: int,
+    as_json: bool,
+    full: bool,
+) -> None:
+    """List a queue's messages (or dead letters) by due time, in the states `stats` counts.
+
+    A queue with nothing in it lists nothing (exit 0); when the database knows nothing of it at all,
+    stderr says so, with the queues it does know. A payload longer than 200 characters (as JSON) is
+    cut, with its length: `show` and `--full` print it whole.
+    """
+    check_queue_name(queue)
+    with connect(ctx) as (_, conn):
+        now = database_now(conn)
+        found = list_messages(
+            conn,
+            make_tables(ctx.obj["prefix"]),
+            queue,
+            state=State(state) if state else None,
+            now=now,
+            key_prefix=key_prefix,
+            limit=limit,
+        )
+        note = "" if found or as_json else unknown_queue_note(ctx, conn, queue)
+    if note:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        listed = [m.as_dict() for m in found]
+        for d in listed:
+            d["payload"] = d["payload"] if full else shorten(d["payload"], PAYLOAD_SHOWN)
+        emit(listed, True, [])
+        return
+    dead_only = state == State.DEAD.value
+    rows = [_row(m, now, full) for m in found]
+    when = ["failed"] if dead_only else ["due", "running"]
+    emit(rows, False, ["key", "state", *when, "attempts", "last_error", "payload"])
+
+
+def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
+    return {
+        "key": m.key,
+        "state": m.state.value,
+        "due": relative(m.scheduled_at, now),
+        "failed": relative(m.failed_at, now),
+        "running": "" if (ran := m.running_for(now)) is None else human(ran),
+        "attempts": m.attempts,
+        "last_error": m.last_error,
+        "payload": m.payload if full else shorten(m.payload, PAYLOAD_SHOWN),
+    }
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@friendly
+def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
+    """Everything about one message (or its dead letters)."""
+    tables = make_tables(ctx.obj["prefix"])
+    check_queue_name(queue)
+    with connect(ctx) as (_, conn):
+        now = database_now(conn)
+        found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1) + list_messages(
+            conn, tables, queue, state=State.DEAD, now=now, key=key, limit=20
+        )
+        if not found:
+            raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
+    if as_json:
+        click.echo(json.dumps([m.as_dict() for m in found], indent=2, default=json_value))
+        return
+    for m in found:
+        for name, value in m.as_dict().items():
+            if name == "attempt_history" or (name == "failed_at" and value is None):
+                continue
+            if name == "state":
+                value = click.style(value, fg=STATE_COLOURS.get(value))
+            when = {"scheduled_at": m.scheduled_at, "failed_at": m.failed_at}.get(name)
+            shown = _cell(value) if when is None else f"{value} ({relative(when, now)})"
+            click.echo(f"{name:>13}: {shown}")
+        for r in m.attempt_history:
+            click.echo(
+                click.style(f"\n  attempt {r.attempt} failed {relative(r.at, now)} ({r.at.isoformat()})", bold=True)
+            )
+            click.echo(f"  {r.message}")
+            for line in (r.traceback or "").rstrip().splitlines():
+                click.echo(click.style(f"    {line}", dim=True))
+        click.echo()
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.option("--at", "at_text", help="When, ISO 8601 with an offset.")
+@click.option("--in", "in_text", help="How long from now, e.g. 90s, 5m, 1h30m.")
+@click.pass_context
+@friendly
+def reschedule(ctx: click.Context, queue: str, key: str, at_text: str | None, in_text: str | None) -> None:
+    """Change when a message runs."""
+    if (at_text is None) == (in_text is None):
+        raise Fail("give exactly one of --at TIME or --in DURATION")
+    at: dt.datetime | dt.timedelta = parse_time(at_text) if at_text else parse_duration(in_text or "")
+    _act(ctx, queue, key, lambda q: q.reschedule(key, at), "rescheduled")
+
+
+@main.command(name="run-now")
+@click.argument("queue")
+@click.argument("key")
+@click.pass_context
+@friendly
+def run_now(ctx: click.Context, queue: str, key: str) -> None:
+    """Make a message due now."""
+    _act(ctx, queue, key, lambda q: q.reschedule(key), "due now")
+
+
+CANCEL_CHUNK = 1000
+"""At most this many of the listed keys per DELETE of ``cancel --key-prefix``."""
+
+
+def prefix_chunks(prefix: str, keys: list[str], size: int) -> Iterator[tuple[str, bool, int]]:
+    """Cover ``keys`` (each starts with ``prefix``) with longer prefixes that hold at most ``size`` of them each.
+
+    Yields ``(sub, exact, n)``: ``cancel_prefix(sub)`` deletes ``n`` of the keys, or, when ``exact``,
+    ``sub`` is itself one of the keys (shorter than the prefixes below it) for ``cancel(sub)``.
+    """
+    if len(keys) <= size:
+        yield prefix, False, len(keys)
+        return
+    prefix = _common_prefix(keys)  # at least ``prefix``: skip the characters every key shares
+    groups: dict[str, list[str]] = {}
+    exact = 0
+    for k in keys:
+        if len(k) == len(prefix):
+            exact += 1
+        else:
+            groups.setdefault(k[: len(prefix) + 1], []).append(k)
+    if exact:
+        yield prefix, True, exact
+    for sub in sorted(groups):
+        yield from prefix_chunks(sub, groups[sub], size)
+
+
+def _common_prefix(keys: list[str]) -> str:
+    lo, hi = min(keys), max(keys)  # what the first and the last share, all share
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key", required=False)
+@click.option("--key-prefix", help="Every message whose key starts with this (asks first unless --yes).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+@friendly
+def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
+    """Delete a message, or every message under --key-prefix.
+
+    With --key-prefix, the messages listed and confirmed are deleted in chunks of at most 1,000 (a DELETE
+    of a longer prefix each, with a progress bar on stderr); one offered under such a prefix meanwhile goes too.
+    """
+    if (key is None) == (key_prefix is None):
+        raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
+    if key is not None:
+        _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+        return
+    assert key_prefix is not None
+    with connect(ctx) as (engine, conn):
+        keys = keys_under(conn, make_tables(ctx.obj["prefix"]), check_queue_name(queue), check_prefix(key_prefix))
+        if not keys:
+            note = _noted(unknown_queue_note(ctx, conn, queue))
+            raise Fail(f"no message in queue {queue!r} has a key that starts with {key_prefix!r}{note}")
+        conn.rollback()
+        if not yes:
+            click.confirm(
+                f"cancel {len(keys)} message(s) of {queue!r} whose key starts with {key_prefix!r}?", abort=True
+            )
+        q, done = admin_queue(engine, ctx, queue), 0
+        # A statement per chunk of at most CANCEL_CHUNK keys: the bar moves, and no statement locks many rows.
+        with click.progressbar(length=len(keys), label="cancel", file=sys.stderr, show_pos=True) as bar:
+            for sub, exact, n in prefix_chunks(key_prefix, keys, CANCEL_CHUNK):
+                done += q.cancel(sub) if exact else q.cancel_prefix(sub)
+                bar.update(n)
+    click.echo(f"{queue}: {done} message(s) cancelled")
+
+
+@main.command()
+@click.argument("queue")
+@click.argument("key")
+@click.argument("payload")
+@click.option("--at", "at_text", help="When it is due, ISO 8601 with an offset (default: now).")
+@click.option("--in", "in_text", help="How long from now it is due, e.g. 90s, 5m, 1h30m.")
+@click.option("--update", is_flag=True, help="Replace a message already under KEY.")
+@click.pass_context
+@friendly
+def enqueue(
+    ctx: click.Context, queue: str, key: str, payload: str, at_text: str | None, in_text: str | None, update: bool
+) -> None:
+    """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
+    if at_text is not None and in_text is not None:
+        raise Fail("give at most one of --at TIME or --in DURATION")
+    text, where = read_payload(payload)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise Fail(f"{where} is not JSON ({exc}): write a string with its quotes, e.g. '\"hello\"'") from None
+    at: dt.datetime | dt.timedelta | None = None
+    if at_text is not None:
+        at = parse_time(at_text)
+    elif in_text is not None:
+        at = parse_duration(in_text)
+    with connect(ctx) as (engine, conn):
+        conn.rollback()
+        outcome = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"]).offer(key, value, at, update=update)
+    click.echo(f"{queue} {key}: {outcome.value}")
+
+
+def read_payload(arg: str) -> tuple[str, str]:
+    """The payload's text and what to call it in errors: ``-`` reads stdin, ``@path`` a file, else ``arg``."""
+    if arg == "-":
+        return sys.stdin.read(), "stdin"
+    if arg.startswith("@"):
+        path = arg[1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except OSError as exc:
+            raise Fail(f"cannot read the payload file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return arg, "PAYLOAD"
+
+
+def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:
+    with connect(ctx) as (engine, conn):
+        conn.rollback()  # hold nothing while the action runs on its own connection
+        if not action(admin_queue(engine, ctx, queue)):
+            raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
+    click.echo(f"{queue} {key}: {done}")

@@ -1,0 +1,125 @@
+"""Running workers: ``delayq worker MODULE:HANDLERS``, its engine, and its metrics server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import logging
+import sys
+import traceback
+
+import click
+import sqlalchemy as sa
+
+from delayq import engines
+from delayq.cli._common import Fail, check_schema, check_sqlite_file, check_url, friendly, opened
+from delayq.cli._root import main
+from delayq.errors import install_hint
+from delayq.handler import Handler
+from delayq.worker import Worker
+
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def load_handlers(spec: str) -> list[Handler | type[Handler]]:
+    """Import ``module:attr`` where attr is a Handler class, an instance, or a list of them."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise Fail(f"expected module:attr, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise Fail(f"cannot load {spec!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise Fail(f"cannot load {spec!r}: {exc.msg} at {exc.filename}:{exc.lineno}") from None
+    except Exception as exc:  # the module's own code failed while it was imported: say where
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise Fail(f"cannot load {spec!r}: {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})") from None
+    try:
+        target = getattr(module, attr)
+    except AttributeError as exc:
+        raise Fail(f"cannot load {spec!r}: {exc}") from None
+    items = list(target) if isinstance(target, list | tuple) else [target]
+    for item in items:
+        if not (isinstance(item, Handler) or (isinstance(item, type) and issubclass(item, Handler))):
+            raise Fail(f"{spec!r} holds {item!r}, not a Handler class or instance")
+    return items
+
+
+@main.command()
+@click.argument("handlers")
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1), help="Handlers at once.")
+@click.option(
+    "--shutdown-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, max=86_400),
+    help="Seconds in-flight handlers may run on after SIGINT/SIGTERM.",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    help="DEBUG also logs each delivery's start; INFO each success; WARNING each failure (with its traceback).",
+)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True, help="Address the metrics server listens on.")
+@click.pass_context
+@friendly
+def worker(
+    ctx: click.Context,
+    handlers: str,
+    concurrency: int,
+    shutdown_timeout: float,
+    log_level: str,
+    metrics_port: int | None,
+    metrics_addr: str,
+) -> None:
+    """Run the handlers HANDLERS (module:attr) until SIGINT or SIGTERM."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
+    loaded = load_handlers(handlers)
+    check_sqlite_file(check_url(ctx.obj["url"]))
+    engine = worker_engine(ctx.obj["url"], concurrency)
+    try:
+        with engines.read_bound(engine), opened(engine) as conn:
+            check_schema(conn, ctx.obj["prefix"])  # fail now, in one line, before any loop starts
+        w = Worker(
+            engine,
+            loaded,
+            concurrency=concurrency,
+            table_prefix=ctx.obj["prefix"],
+            shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
+        )
+        if metrics_port is not None:
+            serve_metrics(metrics_port, metrics_addr, w)
+        w.run()  # raises SchemaMissingError (exit 2, "run `delayq migrate`") when the tables are missing
+    finally:
+        engine.dispose()
+
+
+def serve_metrics(port: int, addr: str, w: Worker) -> None:
+    """Serve the worker's metrics on ``addr:port`` (needs the ``metrics`` extra)."""
+    try:
+        from delayq.metrics import serve
+    except ImportError:
+        raise Fail(f"--metrics-port needs prometheus-client: {install_hint('metrics')}") from None
+    try:
+        serve(port, w.queues, addr=addr)
+    except OSError as exc:
+        raise Fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
+    logging.getLogger("delayq.metrics").info("metrics on http://%s:%d/metrics", addr, port)
+
+
+def worker_engine(url: str, concurrency: int) -> sa.Engine:
+    """An engine whose pool fits a worker of ``concurrency`` handlers, with delayq's network timeouts.
+
+    Each handler may hold a connection for its whole run (a transactional one does), and the fetch
+    loop, the heartbeat and the listener need one each besides: a smaller pool would make them
+    wait on each other.
+    """
+    # delayq ends every transaction it begins (commit, or a rollback when its Connection closes on an
+    # error), so the pool's ROLLBACK on return would only cost a round trip (on mysqlclient).
+    return engines.create_engine(url, pool_size=concurrency + 3, max_overflow=concurrency, pool_reset_on_return=None)

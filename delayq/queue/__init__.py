@@ -1,0 +1,50 @@
+"""DelayedQueue: offer messages due at a time, poll the due ones under a lock, ack them.
+
+The class is made of one part per job, each in its own module: ``_offer`` (the offer path), ``_claims``
+(claim, ack, extend, retry, dead-letter, give back), ``_queued`` (operations on queued messages),
+``_dead`` (the dead letters), on ``_base`` (the constructor, transactions, "now", decoding); ``_checks``
+validates what callers pass, ``_tokens`` makes lock tokens, ``_lost`` counts lost locks.
+"""
+
+from __future__ import annotations
+
+from delayq.queue._checks import At as At
+from delayq.queue._checks import check_key as check_key
+from delayq.queue._checks import check_prefix as check_prefix
+from delayq.queue._checks import check_queue_name as check_queue_name
+from delayq.queue._checks import check_text as check_text
+from delayq.queue._claims import _Claims
+from delayq.queue._dead import _DeadLetters
+from delayq.queue._offer import OFFER_CHUNK as OFFER_CHUNK
+from delayq.queue._offer import _Offers
+from delayq.queue._queued import _Queued
+from delayq.queue._tokens import claimed_at as claimed_at
+from delayq.queue._tokens import new_token as new_token
+from delayq.transactions import Using
+
+__all__ = ["At", "DelayedQueue", "Using"]
+
+
+class DelayedQueue(_Offers, _Claims, _Queued, _DeadLetters):
+    """One named queue of delayed messages in a relational database.
+
+    Args:
+        engine: the SQLAlchemy engine of the database holding delayq's tables.
+        name: the queue's name (at most 100 characters); queues share the tables.
+        visibility_timeout: how long a polled message stays locked before it is delivered
+            again. Defaults to 5 minutes.
+        serializer: encodes payloads; defaults to ``JsonSerializer()``.
+        clock: where "now" comes from; defaults to the database's clock, read inside each
+            statement. Pass a ``ManualClock`` to move time by hand.
+        table_prefix, schema: where the tables are; default ``delayq_messages`` and
+            ``delayq_dead_letters`` in the connection's default schema.
+        transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
+        notify: on PostgreSQL, wake listening workers (NOTIFY) when an offer commits. True.
+        max_deliveries: a claim that would deliver a message for the ``max_deliveries + 1``-th
+            time moves it to the dead letters instead ("delivered N times without an outcome"):
+            a message whose consumer dies every time does not come back forever. None (no cap)
+            by default; a ``Worker`` sets its handler's ``retry.max_attempts``.
+
+    Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
+    transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.
+    """

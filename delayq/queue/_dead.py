@@ -1,0 +1,87 @@
+"""The dead letters of a queue: list them, move one back into the queue, purge them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from delayq import history
+from delayq.clock import from_ms
+from delayq.dialects import Dialect
+from delayq.dialects.base import prefix_bounds, purge_dead_statement
+from delayq.errors import InvalidInputError
+from delayq.messages import DeadMessage
+from delayq.queue._base import _QueueBase
+from delayq.queue._checks import check_key, check_prefix
+from delayq.transactions import Using
+
+
+class _DeadLetters(_QueueBase):
+    """``dead_letters``, ``requeue_dead`` and ``purge_dead`` of ``DelayedQueue``."""
+
+    def dead_letters(self, *, limit: int = 100, after_id: int = 0, using: Using = None) -> list[DeadMessage]:
+        """This queue's dead letters, oldest first; page with ``after_id`` (the last ``id`` seen)."""
+        params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
+
+        def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
+            rows = conn.execute(self._statements(dialect).memo(history.statements).dead_letters, params).all()
+            return [
+                DeadMessage(
+                    id=r.id,
+                    key=r.key,
+                    payload=self._decode(r.key, r.payload_type, r.payload),
+                    scheduled_at_initially=from_ms(r.scheduled_at_initially),
+                    created_at=from_ms(r.created_at),
+                    attempts=r.attempts,
+                    last_error=r.last_error,
+                    failed_at=from_ms(r.failed_at),
+                    attempt_history=history.parse(r.attempt_history),
+                )
+                for r in rows
+            ]
+
+        return self._runner.run(using, op, "read")
+
+    def requeue_dead(self, key: str, *, using: Using = None) -> bool:
+        """Move the newest dead letter under ``key`` back into the queue, due now.
+
+        It keeps its ``last_error`` and attempt history (earlier attempts stay numbered as they
+        were); its ``attempts`` count starts afresh, so it gets its handler's whole retry budget
+        again. False when there is none, or when a live message already holds the key (it stays dead).
+        """
+        params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            stmts = self._statements(dialect)
+            row = conn.execute(stmts.memo(history.statements).dead_latest, params).first()
+            if row is None or not dialect.insert_if_absent(
+                conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
+            ):
+                return False
+            if row.last_error is not None or row.attempt_history is not None or row.headers is not None:
+                restore = {**params, "error": row.last_error, "history": row.attempt_history, "headers": row.headers}
+                conn.execute(stmts.memo(history.statements).restore_requeued, restore)
+            conn.execute(stmts.dead_delete, {"dead_id": row.id})
+            return True
+
+        return self._runner.run(using, op, "transaction")
+
+    def purge_dead(
+        self, *, key: str | None = None, key_prefix: str | None = None, everything: bool = False, using: Using = None
+    ) -> int:
+        """Delete this queue's dead letters under ``key``, or whose key starts with ``key_prefix``,
+        or all of them with ``everything=True``; returns how many. Keys compare byte for byte."""
+        if (key is None and key_prefix is None) != everything:
+            raise InvalidInputError("purge_dead takes key=, key_prefix=, or everything=True")
+        params: dict[str, Any] = {"queue_name": self.name}
+        if key is not None:
+            params["msg_key"] = check_key(key)
+        if key_prefix is not None:
+            params.update(prefix_bounds(check_prefix(key_prefix)))
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            stmt = purge_dead_statement(dialect, self.tables, key is not None, key_prefix is not None)
+            return int(conn.execute(stmt, params).rowcount)
+
+        return self._runner.run(using, op, "scan")

@@ -1,0 +1,168 @@
+"""The offer path: validate and encode messages, and store them in single- and multi-row statements."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from delayq import history, observe
+from delayq.dialects import Dialect, Statements
+from delayq.dialects.base import NewRow
+from delayq.messages import OfferOutcome
+from delayq.queue._base import _QueueBase
+from delayq.queue._checks import At, _due, check_key
+from delayq.serializers import encode
+from delayq.transactions import Using
+
+OFFER_CHUNK = 500
+"""Rows per multi-row INSERT in ``offer_many``."""
+
+_Item = tuple[str, bytes, int | None, int | None]
+"""An offered message, validated and encoded: (key, payload, due at in epoch ms, or due in ms from now)."""
+
+
+class _Offers(_QueueBase):
+    """``offer`` and ``offer_many`` of ``DelayedQueue``."""
+
+    def offer(
+        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: Using = None
+    ) -> OfferOutcome:
+        """Store a message due at ``at`` unless one with this key exists in the queue.
+
+        With ``update=True`` an existing message is replaced (payload and due time; its
+        attempts and error are reset, and a consumer's lock on it is cleared, so that
+        consumer's ack deletes nothing). Replacing with identical content is ``IGNORED``;
+        a relative ``at`` is measured from now, so it differs on every call.
+        """
+        params = self._offer_params(key, payload, at)
+        with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
+
+            def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
+                outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
+                if headers and outcome is not OfferOutcome.IGNORED:
+                    self._store_headers(conn, dialect, [params["msg_key"]], headers)
+                return outcome
+
+            outcome = self._runner.run(using, op, "statement" if not (update or headers) else "transaction")
+        observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
+        return outcome
+
+    def offer_many(
+        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
+    ) -> list[OfferOutcome]:
+        """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
+
+        All items are validated first: a bad one raises before anything is written. A key
+        that repeats within the batch is offered again after the first (so it is ``IGNORED``,
+        or ``UPDATED`` with ``update=True``).
+        """
+        prepared = [self._item(key, payload, at) for key, payload, at in items]
+        if not prepared:
+            return []
+        with observe.offering(self.name, len(prepared)) as headers:
+            found = self._offer_prepared(prepared, update, headers, using)
+        observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
+        return found
+
+    def _store_headers(self, conn: Connection, dialect: Dialect, keys: list[str], headers: dict[str, str]) -> None:
+        """Keep ``headers`` with the messages just offered under ``keys``."""
+        stmt = self._statements(dialect).memo(history.statements).set_headers
+        conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
+
+    def _offer_prepared(
+        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using
+    ) -> list[OfferOutcome]:
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self._statements(dialect)
+            now = self._now_ms(conn, stmts)
+            outcomes: list[OfferOutcome | None] = [None] * len(prepared)
+            keys = [key for key, *_ in prepared]
+            first: dict[str, int] = {}
+            for i, key in enumerate(keys):
+                first.setdefault(key, i)
+            firsts = list(first.values())
+            queue, tag = self.name, self.serializer.type_tag
+            for start in range(0, len(firsts), OFFER_CHUNK):
+                chunk = firsts[start : start + OFFER_CHUNK]
+                rows = [_new_row(queue, tag, prepared[i], now) for i in chunk]
+                created = dialect.insert_many_if_absent(conn, stmts, queue, rows)
+                for i in chunk:
+                    if keys[i] in created:
+                        outcomes[i] = OfferOutcome.CREATED
+            for i, item in enumerate(prepared):
+                if outcomes[i] is None:
+                    outcomes[i] = (
+                        self._offer_one(conn, dialect, stmts, self._item_params(item), update=True)
+                        if update
+                        else OfferOutcome.IGNORED
+                    )
+            if headers:
+                done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
+                for start in range(0, len(done), OFFER_CHUNK):
+                    self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
+            return [o for o in outcomes if o is not None]
+
+        return self._runner.run(using, op, "transaction")
+
+    def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
+        return self._item_params(self._item(key, payload, at))
+
+    def _item(self, key: str, payload: Any, at: At) -> _Item:
+        """An offered message validated and encoded; raises on bad input before anything is sent."""
+        return check_key(key), encode(self.serializer, payload), *_due(at)
+
+    def _item_params(self, item: _Item) -> dict[str, Any]:
+        """The parameters of the one-message offer statements for a validated item."""
+        key, payload, due_at, due_in = item
+        return {
+            "queue_name": self.name,
+            "msg_key": key,
+            "payload": payload,
+            "payload_type": self.serializer.type_tag,
+            "due_at": due_at,
+            "due_in": due_in,
+            **self._now_param(),
+        }
+
+    def _offer_one(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], update: bool
+    ) -> OfferOutcome:
+        while True:
+            if dialect.insert_if_absent(conn, stmts, params):
+                return OfferOutcome.CREATED
+            if not update:
+                return OfferOutcome.IGNORED
+            row = conn.execute(stmts.lock_for_update, params).first()
+            if row is None:
+                continue  # a consumer acked it since the insert: offer it afresh
+            due = params["due_at"] if params["due_at"] is not None else row.now + params["due_in"]
+            if (
+                bytes(row.payload) == params["payload"]
+                and row.payload_type == params["payload_type"]
+                and row.scheduled_at_initially == due
+            ):
+                return OfferOutcome.IGNORED
+            swapped = conn.execute(
+                stmts.replace,
+                {
+                    "msg_id": row.id,
+                    "old_scheduled_at_initially": row.scheduled_at_initially,
+                    "old_created_at": row.created_at,
+                    "payload": params["payload"],
+                    "payload_type": params["payload_type"],
+                    "new_scheduled_at": due,
+                    "new_created_at": row.now,
+                },
+            ).rowcount
+            if swapped == 1:
+                if stmts.notify is not None:
+                    conn.execute(stmts.notify, params)
+                return OfferOutcome.UPDATED
+
+
+def _new_row(queue: str, payload_type: str, item: _Item, now: int) -> NewRow:
+    key, payload, due_at, due_in = item
+    due = due_at if due_at is not None else now + (due_in or 0)
+    return (queue, key, payload, payload_type, due, due, now, 0)

@@ -1,0 +1,125 @@
+"""The operations on queued messages: read one, cancel, reschedule, count, cancel or coalesce a key prefix."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy.engine import Connection
+
+from delayq import history
+from delayq.clock import from_ms, to_ms
+from delayq.dialects import Dialect
+from delayq.dialects.base import (
+    cancel_prefix_keeping_statement,
+    cancel_prefix_statement,
+    coalesce_statements,
+    prefix_bounds,
+)
+from delayq.messages import Message, QueueStats
+from delayq.queue._base import _QueueBase
+from delayq.queue._checks import At, _due, check_key, check_prefix
+from delayq.transactions import Using
+
+
+class _Queued(_QueueBase):
+    """``get``, ``cancel``, ``reschedule``, ``stats`` and the key-prefix operations of ``DelayedQueue``."""
+
+    def get(self, key: str, *, using: Using = None) -> Message | None:
+        """The message stored under ``key``, or None."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> Message | None:
+            row = conn.execute(self._statements(dialect).memo(history.statements).get, params).first()
+            if row is None:
+                return None
+            return Message(
+                key=row.key,
+                payload=self._decode(row.key, row.payload_type, row.payload),
+                scheduled_at=from_ms(row.scheduled_at),
+                scheduled_at_initially=from_ms(row.scheduled_at_initially),
+                created_at=from_ms(row.created_at),
+                attempts=row.attempts,
+                last_error=row.last_error,
+                locked=row.lock_token is not None,
+                attempt_history=history.parse(row.attempt_history),
+            )
+
+        return self._runner.run(using, op, "read")
+
+    def cancel(self, key: str, *, using: Using = None) -> bool:
+        """Delete the message stored under ``key``; True when there was one."""
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
+
+        return self._runner.run(using, op, "statement")
+
+    def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
+        """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).
+
+        True when there was such a message.
+        """
+        due_at, due_in = _due(at)
+        params = {
+            "queue_name": self.name,
+            "msg_key": check_key(key),
+            "due_at": due_at,
+            "due_in": due_in,
+            **self._now_param(),
+        }
+
+        def op(conn: Connection, dialect: Dialect) -> bool:
+            return bool(conn.execute(self._statements(dialect).reschedule, params).rowcount == 1)
+
+        return self._runner.run(using, op, "statement")
+
+    def stats(self, *, using: Using = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one."""
+        params = {"queue_name": self.name, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> QueueStats:
+            r = conn.execute(self._statements(dialect).stats, params).one()
+            age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
+            return QueueStats(
+                ready=int(r.ready),
+                scheduled=int(r.scheduled),
+                in_flight=int(r.in_flight),
+                expired_locks=int(r.expired_locks),
+                dead=int(r.dead),
+                oldest_due_age=age,
+            )
+
+        return self._runner.run(using, op, "read")
+
+    def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: Using = None) -> int:
+        """Delete the messages whose key starts with ``prefix`` (but not with ``keep_prefix``); how many.
+
+        Keys compare byte for byte: case matters, and ``%``, ``_`` and ``\\`` are ordinary characters.
+        """
+        params = {"queue_name": self.name, **prefix_bounds(check_prefix(prefix))}
+        if keep_prefix is not None:
+            params.update(prefix_bounds(check_prefix(keep_prefix), "keep"))
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            stmts = self._statements(dialect)
+            stmt = stmts.memo(cancel_prefix_statement if keep_prefix is None else cancel_prefix_keeping_statement)
+            return int(conn.execute(stmt, params).rowcount)
+
+        return self._runner.run(using, op, "scan")
+
+    def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: Using = None) -> int:
+        """Of the never-attempted messages under ``prefix`` due by ``now``, keep the newest; delete the rest.
+
+        Returns how many were deleted. Messages being handled or awaiting a retry are left alone.
+        """
+        params = {"queue_name": self.name, **prefix_bounds(check_prefix(prefix)), "now_ms": to_ms(now)}
+
+        def op(conn: Connection, dialect: Dialect) -> int:
+            latest_stmt, older_stmt = self._statements(dialect).memo(coalesce_statements)
+            latest = conn.execute(latest_stmt, params).scalar_one()
+            if latest is None:
+                return 0
+            return int(conn.execute(older_stmt, {**params, "latest": latest}).rowcount)
+
+        return self._runner.run(using, op, "transaction")
