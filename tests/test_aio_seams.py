@@ -33,10 +33,18 @@ def server_ids(engine: sa.Engine, name: str) -> None:
 
     @sa.event.listens_for(engine, "connect")
     def remember(dbapi_conn: Any, record: Any) -> None:
+        # psycopg: in autocommit, as SQLAlchemy's docs write connect handlers (a query that began a
+        # transaction would leave the new connection in it, and psycopg then refuses to switch autocommit).
+        pg = name == "postgresql"
+        autocommit = pg and dbapi_conn.autocommit
+        if pg:
+            dbapi_conn.autocommit = True
         cursor = dbapi_conn.cursor()
         cursor.execute(query)
         record.info["server_id"] = int(cursor.fetchone()[0])
         cursor.close()
+        if pg:
+            dbapi_conn.autocommit = autocommit
 
 
 def kill(admin: sa.Engine, name: str, server_id: int) -> None:

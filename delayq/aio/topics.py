@@ -166,6 +166,11 @@ class AsyncSubscription:
         """The partitions this subscriber holds, with their lease epochs."""
         return self.sync.held
 
+    @property
+    def lease_duration(self) -> dt.timedelta:
+        """How long a partition's lease lasts unless renewed (``rebalance``)."""
+        return self.sync.lease_duration
+
     async def _run(self, using: AsyncUsing, call: Callable[[SyncUsing], T]) -> T:
         return await self.bridge.run(using, call)
 
