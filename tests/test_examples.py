@@ -21,13 +21,17 @@ def run(args: list[str], cwd: Path = REPO_ROOT) -> str:
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_example_runs(backend: Backend, example: str) -> None:
-    out = run([str(REPO_ROOT / "examples" / example), backend.url, *EXTRA_ARGS.get(example, [])])
+def test_example_runs(backend: Backend, example: str, tmp_path: Path) -> None:
+    extra = EXTRA_ARGS.get(example, [])
+    if example == "spark_stream.py":  # a topic of its own, a checkpoint of its own, 200 events
+        extra = ["--checkpoint", str(tmp_path / "ckpt"), "--publish", "200", "--topic", f"ex-{tmp_path.name}"[:90]]
+    out = run([str(REPO_ROOT / "examples" / example), backend.url, *extra])
     expected = {
         "quickstart.py": "(attempt 2)",
         "retries.py": "charged order-busy-gateway on attempt 3",
         "cron_schedule.py": "report for Fri 11 Jan 09:00",
         "spark_pipeline.py": "run 2: created 0, updated 0, ignored 2000",
+        "spark_stream.py": "read 200 order events",
         "fastapi_app.py": "confirmation sent for order",
     }[example]
     assert expected in out
