@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import history, observe
+from delayq._outcome import Bury, Unfinished, after_failure
 from delayq.clock import Clock, duration_ms, from_ms, require_aware, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.dialects.base import (
@@ -757,9 +758,11 @@ class DelayedQueue:
         dead: list[tuple[int, str, str | None]] = []
         limit = self.max_deliveries
         for row in rows:
-            if limit is not None and row.attempts > limit:
-                dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
-                continue
+            if limit is not None:  # this claim is delivery ``attempts``: the earlier ones ended without an outcome
+                cap = after_failure(Unfinished(row.attempts - 1), row.attempts - 1, max_attempts=limit)
+                if isinstance(cap, Bury):
+                    dead.append((row.id, row.lock_token, cap.reason))
+                    continue
             try:
                 payload = self._decode(row.key, row.payload_type, row.payload)
             except SerializationMismatchError as exc:

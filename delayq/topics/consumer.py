@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import observe
+from delayq._outcome import Bury, after_failure
 from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
@@ -215,33 +216,26 @@ class TopicConsumer:
             log.warning("%s: could not ack (%s); it will be delivered again", held.label, describe(exc))
 
     def _record_failure(self, held: Held, exc: Exception) -> None:
-        """Nack with the policy's delay, or dead-letter when attempts ran out; ``Retry`` counts as an attempt."""
-        d, policy = held.delivery, self.handler.retry
-        if isinstance(exc, DeadLetter):
-            error, give_up = exc.reason, True
-        elif isinstance(exc, Retry):
-            error, give_up = exc.reason or "retry requested", policy.gives_up_after(d.attempts)
-        else:
-            error, give_up = f"{type(exc).__name__}: {exc}", policy.gives_up_after(d.attempts)
+        """Record what ``decide`` makes of a failed attempt: a nack with a delay, or the dead-letter topic."""
+        d = held.delivery
+        outcome = after_failure(exc, d.attempts, self.handler.retry)
         traceback = None if isinstance(exc, (Retry, DeadLetter)) else exc
         try:
-            if give_up:
+            if isinstance(outcome, Bury):
                 dlq = dead_letter_topic(d.topic)
-                log.warning("%s: failed, moved to %s: %s", held.label, dlq, error, exc_info=traceback)
-                recorded = self.sub.fail(d, error)
+                log.warning("%s: failed, moved to %s: %s", held.label, dlq, outcome.reason, exc_info=traceback)
+                recorded = self.sub.fail(d, outcome.reason)
             else:
-                delay = exc.after if isinstance(exc, Retry) and exc.after is not None else policy.delay(d.attempts)
-                what = "retry requested" if isinstance(exc, Retry) else "failed"
                 log.log(
                     logging.INFO if traceback is None else logging.WARNING,
                     "%s: %s, next in %s: %s",
                     held.label,
-                    what,
-                    human(delay),
-                    error,
+                    "retry requested" if outcome.requested else "failed",
+                    human(outcome.delay),
+                    outcome.error,
                     exc_info=traceback,
                 )
-                recorded = self.sub.nack(d, delay, error)
+                recorded = self.sub.nack(d, outcome.delay, outcome.error)
             if not recorded:
                 log.warning("%s: lease lost before the outcome was recorded", held.label)
         except Exception as db_error:
