@@ -24,6 +24,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from delayq._steering import DeadLetter, Retry
+from delayq.humanize import human
 from delayq.retry import RetryPolicy
 
 _NO_DELAY = dt.timedelta(0)
@@ -59,7 +60,7 @@ class TimedOut(Exception):
     """An asyncio handler cancelled at its ``Handler.timeout``: a failed attempt."""
 
     def __init__(self, timeout: dt.timedelta) -> None:
-        super().__init__(f"cancelled after its timeout of {timeout}")
+        super().__init__(f"cancelled at its timeout of {human(timeout)}")
         self.timeout = timeout
 
 

@@ -493,3 +493,107 @@ def test_the_threaded_worker_refuses_an_async_handler(engine: sa.Engine, queue_n
 
     with pytest.raises(InvalidInputError, match="AsyncWorker"):
         Worker(engine, [async_handler(queue_name, body)])
+
+
+# -- Handler.timeout: an asyncio handler is cancelled, and its attempt decided as any failure --------------
+def test_an_async_handler_past_its_timeout_is_cancelled_and_retried_per_its_policy(
+    backend: Backend, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    history: list[str] = []
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        history.append(f"start {d.attempts}")
+        if d.attempts == 1:
+            try:
+                await asyncio.Event().wait()  # hangs until cancelled
+            except asyncio.CancelledError:
+                history.append("cancelled 1")
+                raise
+        assert [h.error_type for h in await d.attempt_history()] == ["TimedOut"]
+        history.append(f"done {d.attempts}")
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        handler = async_handler(
+            queue_name, body, timeout=dt.timedelta(minutes=1), retry=RetryPolicy.fixed(10 * SECOND, max_attempts=2)
+        )
+        worker = AsyncWorker(engine, [handler], clock=clock, poll_interval=FAST, listen=False)
+        q = worker.async_queues[queue_name]
+        await q.offer("job", 1)
+        worker.start()
+        try:
+
+            async def seen(what: str) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return what in history
+
+                return check
+
+            await wait_for(await seen("start 1"), "the first attempt")
+            clock.advance(dt.timedelta(minutes=1, seconds=1))  # the handler has run past its timeout
+
+            async def retried() -> bool:
+                m = await q.get("job")
+                return m is not None and not m.locked and m.last_error is not None
+
+            await wait_for(retried, "the timed-out attempt to be recorded as a failure")
+            m = await q.get("job")
+            assert m is not None and m.attempts == 1
+            assert m.last_error == "TimedOut: cancelled at its timeout of 1m 00s"
+            assert history == ["start 1", "cancelled 1"]  # cancelled before anyone else could run it
+            assert worker.health().held == 0
+            clock.advance(10 * SECOND)  # the policy's delay
+            await wait_for(await seen("done 2"), "the second attempt")
+
+            async def gone() -> bool:
+                return await q.get("job") is None
+
+            await wait_for(gone, "the ack")
+            assert await q.dead_letters() == []
+        finally:
+            assert await worker.stop()
+        await engine.dispose()
+
+    with caplog.at_level("WARNING", logger="delayq.worker"):
+        asyncio.run(main())
+    assert history == ["start 1", "cancelled 1", "start 2", "done 2"]
+    assert len([r for r in caplog.records if "past its timeout" in r.getMessage()]) == 1
+
+
+def test_an_async_handler_timing_out_on_its_last_attempt_is_dead_lettered_by_run_once(
+    backend: Backend, queue_name: str, clock: ManualClock
+) -> None:
+    history: list[str] = []
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        history.append(f"start {d.attempts}")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            history.append("cancelled")
+            raise
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        timeout = dt.timedelta(seconds=30)
+        handler = async_handler(
+            queue_name, body, timeout=timeout, retry=RetryPolicy(max_attempts=1), transactional=True
+        )
+        worker = AsyncWorker(engine, [handler], clock=clock, listen=False)
+        q = worker.async_queues[queue_name]
+        await q.offer("job", 1)
+        run = asyncio.create_task(worker.run_once())
+
+        async def started() -> bool:
+            return history == ["start 1"]
+
+        await wait_for(started, "the attempt")
+        clock.advance(timeout + SECOND)
+        assert await asyncio.wait_for(run, 30) == 1
+        assert await q.get("job") is None
+        [dead] = await q.dead_letters()
+        assert (dead.key, dead.attempts, dead.last_error) == ("job", 1, "TimedOut: cancelled at its timeout of 30.0s")
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert history == ["start 1", "cancelled"]

@@ -55,7 +55,7 @@ def test_a_timeout_is_a_failed_attempt() -> None:
     error = TimedOut(dt.timedelta(seconds=30))
     first = decide(error, 1, POLICY)
     assert isinstance(first, RetryAfter) and first.delay == 10 * S and not first.requested
-    assert first.error == "TimedOut: cancelled after its timeout of 0:00:30"
+    assert first.error == "TimedOut: cancelled at its timeout of 30.0s"
     assert decide(error, 3, POLICY) == Bury(first.error)
 
 

@@ -7,9 +7,12 @@ tasks (at most ``concurrency`` at once), the loops are tasks, every database cal
 and the heartbeat is bounded by ``stall_timeout`` (a cancelled call drops its connection), and
 PostgreSQL's LISTEN runs on an async psycopg connection.
 
-Cancelling a handler's task (or the worker's) releases its message: due again at once, the
-attempt not counted. Cancelling ``run()`` releases everything held and re-raises at once; a stop
-(``stop()``, SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
+A handler past its ``Handler.timeout`` is cancelled by the worker (found by the heartbeat task, or by
+``run_once`` as it waits): that is a failed attempt (``TimedOut``), retried or dead-lettered per the
+handler's policy, the one outcome decision (``delayq._outcome``). Any other cancellation of a
+handler's task (or the worker's) releases its message: due again at once, the attempt not counted.
+Cancelling ``run()`` releases everything held and re-raises at once; a stop (``stop()``,
+SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
 ``shutdown_timeout``, the rest are cancelled and released.
 """
 
@@ -32,12 +35,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from delayq import observe
+from delayq._outcome import TimedOut
 from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
 from delayq.clock import Clock
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import Handler
-from delayq.leases import Lease, describe
+from delayq.leases import Lease, describe, overdue
 from delayq.messages import Delivery
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
@@ -162,6 +166,8 @@ class AsyncWorker(Worker):
             self.async_queues[name] = aq
             self._queues[name] = (h, aq.sync)  # the sync core, retried by the worker's loops
         self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
+        self._in_handler: set[int] = set()  # id(lease) of the handlers awaited now (only these are timed out)
+        self._timed_out: set[int] = set()  # id(lease) of the handlers cancelled at their timeout
         self._unknown_claims: list[tuple[str, str]] = []  # (queue, token) of claims whose reply never came
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
@@ -212,6 +218,7 @@ class AsyncWorker(Worker):
             loops=MappingProxyType({name: running and not t.done() for name, t in self._loop_tasks.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
             held=len(self._leases),
+            stuck=self._leases.stuck(),
         )
 
     async def run_once(self) -> int:  # type: ignore[override]
@@ -225,9 +232,10 @@ class AsyncWorker(Worker):
                 started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
             finally:
                 await self._give_back_unknown_claims()
-            new = [t for t in self._tasks.values() if t not in before]
-            if new:
-                await asyncio.wait(new)
+            new = {t for t in self._tasks.values() if t not in before}
+            while new:  # (handlers past their timeout are cancelled meanwhile)
+                _, new = await asyncio.wait(new, timeout=HEARTBEAT_TICK)
+                self._cancel_overdue()
             await self._call(self._flush_acks)
             if not started:
                 return done
@@ -299,9 +307,11 @@ class AsyncWorker(Worker):
                 idle_sleep = min(idle_sleep * 2, self.poll_interval)
 
     async def _heartbeat_task(self) -> None:
-        """Extend the locks held, half a visibility timeout before they would expire."""
+        """Extend the locks held, half a visibility timeout before they would expire; cancel the handlers past
+        their timeout."""
         errors = 0
         while True:
+            self._cancel_overdue()
             try:
                 ok = await self._call(self._leases.beat)
             except Exception as exc:
@@ -421,6 +431,19 @@ class AsyncWorker(Worker):
             log.info("queue %s: gave back %d message(s) of a claim whose reply never came", aq.name, given)
 
     # -- one delivery ---------------------------------------------------------------------------
+    def _cancel_overdue(self) -> None:
+        """Cancel (once) each handler found running past its ``timeout``: a failed attempt, decided as any."""
+        for lease in self._leases.newly_overdue():
+            task = self._tasks.get(id(lease))
+            if task is None or task.done() or id(lease) not in self._in_handler:
+                continue  # (it returned, or records its outcome: that stands)
+            timeout = lease.handler.timeout
+            assert timeout is not None
+            overdue(lease.delivery.label, time.monotonic() - lease.started_at, timeout, cancelled=True)
+            observe.count("overdue", lease.queue.name)
+            self._timed_out.add(id(lease))
+            task.cancel()
+
     def _execute(self, lease: Lease) -> None:
         """Start the lease's handler as a task (called by ``Worker._fetch``, on the loop's thread)."""
         self._tasks[id(lease)] = asyncio.get_running_loop().create_task(self._handle(lease))
@@ -430,22 +453,34 @@ class AsyncWorker(Worker):
         aq = self.async_queues[lease.queue.name]
         to_ack = False
         try:
-            if handler.transactional:
-                await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
-            else:
-                await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
-                to_ack = True
+            self._in_handler.add(id(lease))
+            try:
+                if handler.transactional:
+                    await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
+                else:
+                    await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    to_ack = True
+            finally:
+                self._in_handler.discard(id(lease))
         except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
             await self._bounded(self._leases.release, [lease], "the handler's transaction could not begin")
-        except asyncio.CancelledError:  # the message goes back at once, the attempt not counted
-            await self._bounded(self._leases.release, [lease], "its handler was cancelled")
-            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if id(lease) in self._timed_out and task is not None and task.uncancel() == 0:
+                # Cancelled at its timeout, and by nothing else: a failed attempt, retried per the policy.
+                timeout = handler.timeout
+                assert timeout is not None
+                await self._bounded(self._record_failure_of, lease, TimedOut(timeout))
+            else:  # the message goes back at once, the attempt not counted
+                await self._bounded(self._leases.release, [lease], "its handler was cancelled")
+                raise
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             await self._bounded(self._record_failure_of, lease, exc)
         finally:
             self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack task
             self._tasks.pop(id(lease), None)
+            self._timed_out.discard(id(lease))
             if to_ack and self._acks_due is not None:
                 self._acks_due.set()
             self._poke()
