@@ -59,7 +59,8 @@ class AsyncHandler(Handler):
     """A ``Handler`` whose ``handle`` is a coroutine; the same class attributes (see ``Handler``).
 
     ``handle(delivery)`` gets an ``AsyncDelivery``; a transactional handler also gets the
-    ``AsyncConnection`` of the transaction that deletes the message.
+    ``AsyncConnection`` of the transaction that deletes the message. Unlike a thread handler, one
+    running past its ``timeout`` is cancelled: a failed attempt, retried or dead-lettered per ``retry``.
     """
 
     async def handle(  # type: ignore[override]
