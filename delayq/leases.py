@@ -291,14 +291,20 @@ def ran_past(
     return clock is not None and started_on_clock is not None and clock.now() - started_on_clock > timeout
 
 
-def overdue(label: str, seconds: float, timeout: dt.timedelta) -> None:
-    """Log a handler found running past its timeout (queues' and topics' alike)."""
+def overdue(label: str, seconds: float, timeout: dt.timedelta, *, cancelled: bool = False) -> None:
+    """Log a handler found running past its timeout (queues' and topics' alike); ``cancelled``: an asyncio
+    handler, cancelled for it."""
+    what = (
+        "cancelled: a failed attempt, retried per its policy"
+        if cancelled
+        else "a thread cannot be stopped: its message stays held while the handler runs, and its slot is taken"
+    )
     log.warning(
-        "%s: its handler has run %s, past its timeout of %s; a thread cannot be stopped: "
-        "its message stays held while the handler runs, and its slot is taken",
+        "%s: its handler has run %s, past its timeout of %s; %s",
         label,
         human(dt.timedelta(seconds=seconds)),
         human(timeout),
+        what,
     )
 
 

@@ -28,11 +28,12 @@ from typing import ClassVar
 import sqlalchemy as sa
 
 from delayq import observe
+from delayq._outcome import RetryAfter, after_failure
 from delayq.clock import Clock
 from delayq.cron import ScheduleRunner, schedules_for
 from delayq.dialects import bounds, dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
-from delayq.handler import DeadLetter, Handler, Retry
+from delayq.handler import Handler
 from delayq.humanize import human
 from delayq.leases import Lease, Leases, describe, overdue
 from delayq.messages import Delivery
@@ -473,26 +474,19 @@ class Worker:
 
     @staticmethod
     def _record_failure(lease: Lease, exc: Exception) -> None:
-        """Schedule the next attempt per the policy, or dead-letter; ``Retry`` counts as an attempt."""
+        """Record what ``decide`` makes of a failed attempt: a retry after a delay, or the dead letters."""
         handler, delivery = lease.handler, lease.delivery
-        if isinstance(exc, DeadLetter):
-            error, give_up = exc.reason, True
-        elif isinstance(exc, Retry):
-            error, give_up = exc.reason or "retry requested", handler.retry.gives_up_after(delivery.attempts)
-        else:
-            error, give_up = f"{type(exc).__name__}: {exc}", handler.retry.gives_up_after(delivery.attempts)
+        outcome = after_failure(exc, delivery.attempts, handler.retry)
         try:
-            if give_up:
+            if isinstance(outcome, RetryAfter):
+                what = "retry requested" if outcome.requested else "failed"
+                next_in = human(outcome.delay)
+                log.info("%s: attempt %d %s, next in %s", delivery.label, delivery.attempts, what, next_in)
+                held = delivery.retry(outcome.delay, outcome.error, exception=exc)
+            else:
                 # (the failure itself is logged once, with its traceback, on delayq.delivery)
                 log.info("%s: attempt %d dead-lettered", delivery.label, delivery.attempts)
-                held = delivery.dead_letter(error, exception=exc)
-            else:
-                delay = exc.after if isinstance(exc, Retry) else None
-                delay = handler.retry.delay(delivery.attempts) if delay is None else delay
-                what = "retry requested" if isinstance(exc, Retry) else "failed"
-                next_in = human(delay)
-                log.info("%s: attempt %d %s, next in %s", delivery.label, delivery.attempts, what, next_in)
-                held = delivery.retry(delay, error, exception=exc)
+                held = delivery.dead_letter(outcome.reason, exception=exc)
             if not held and not lease.lost:  # (a lost lock the heartbeat found is logged already)
                 log.warning("%s: lock lost before the outcome was recorded", delivery.label)
         except Exception as db_error:

@@ -21,8 +21,19 @@ import sqlalchemy as sa
 from conftest import REPO_ROOT, Backend, count_rows, make_async_engine
 from faults import FaultProxy
 
-from delayq import DeadLetter, DelayedQueue, InvalidInputError, ManualClock, RetryPolicy, Worker
-from delayq.aio import AsyncDelivery, AsyncHandler, AsyncWorker
+from delayq import (
+    DeadLetter,
+    DelayedQueue,
+    InvalidInputError,
+    ManualClock,
+    RetryPolicy,
+    Subscription,
+    TopicDelivery,
+    TopicHandler,
+    Worker,
+)
+from delayq.aio import AsyncDelivery, AsyncHandler, AsyncTopic, AsyncWorker
+from delayq.topics import dead_letter_topic, group_lag
 
 SECOND = dt.timedelta(seconds=1)
 FAST = dt.timedelta(milliseconds=20)
@@ -493,3 +504,200 @@ def test_the_threaded_worker_refuses_an_async_handler(engine: sa.Engine, queue_n
 
     with pytest.raises(InvalidInputError, match="AsyncWorker"):
         Worker(engine, [async_handler(queue_name, body)])
+
+
+# -- Handler.timeout: an asyncio handler is cancelled, and its attempt decided as any failure --------------
+def test_an_async_handler_past_its_timeout_is_cancelled_and_retried_per_its_policy(
+    backend: Backend, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    history: list[str] = []
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        history.append(f"start {d.attempts}")
+        if d.attempts == 1:
+            try:
+                await asyncio.Event().wait()  # hangs until cancelled
+            except asyncio.CancelledError:
+                history.append("cancelled 1")
+                raise
+        assert [h.error_type for h in await d.attempt_history()] == ["TimedOut"]
+        history.append(f"done {d.attempts}")
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        handler = async_handler(
+            queue_name, body, timeout=dt.timedelta(minutes=1), retry=RetryPolicy.fixed(10 * SECOND, max_attempts=2)
+        )
+        worker = AsyncWorker(engine, [handler], clock=clock, poll_interval=FAST, listen=False)
+        q = worker.async_queues[queue_name]
+        await q.offer("job", 1)
+        worker.start()
+        try:
+
+            async def seen(what: str) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return what in history
+
+                return check
+
+            await wait_for(await seen("start 1"), "the first attempt")
+            clock.advance(dt.timedelta(minutes=1, seconds=1))  # the handler has run past its timeout
+
+            async def retried() -> bool:
+                m = await q.get("job")
+                return m is not None and not m.locked and m.last_error is not None
+
+            await wait_for(retried, "the timed-out attempt to be recorded as a failure")
+            m = await q.get("job")
+            assert m is not None and m.attempts == 1
+            assert m.last_error == "TimedOut: cancelled at its timeout of 1m 00s"
+            assert history == ["start 1", "cancelled 1"]  # cancelled before anyone else could run it
+            assert worker.health().held == 0
+            clock.advance(10 * SECOND)  # the policy's delay
+            await wait_for(await seen("done 2"), "the second attempt")
+
+            async def gone() -> bool:
+                return await q.get("job") is None
+
+            await wait_for(gone, "the ack")
+            assert await q.dead_letters() == []
+        finally:
+            assert await worker.stop()
+        await engine.dispose()
+
+    with caplog.at_level("WARNING", logger="delayq.worker"):
+        asyncio.run(main())
+    assert history == ["start 1", "cancelled 1", "start 2", "done 2"]
+    assert len([r for r in caplog.records if "past its timeout" in r.getMessage()]) == 1
+
+
+def test_an_async_handler_timing_out_on_its_last_attempt_is_dead_lettered_by_run_once(
+    backend: Backend, queue_name: str, clock: ManualClock
+) -> None:
+    history: list[str] = []
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        history.append(f"start {d.attempts}")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            history.append("cancelled")
+            raise
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        timeout = dt.timedelta(seconds=30)
+        handler = async_handler(
+            queue_name, body, timeout=timeout, retry=RetryPolicy(max_attempts=1), transactional=True
+        )
+        worker = AsyncWorker(engine, [handler], clock=clock, listen=False)
+        q = worker.async_queues[queue_name]
+        await q.offer("job", 1)
+        run = asyncio.create_task(worker.run_once())
+
+        async def started() -> bool:
+            return history == ["start 1"]
+
+        await wait_for(started, "the attempt")
+        clock.advance(timeout + SECOND)
+        assert await asyncio.wait_for(run, 30) == 1
+        assert await q.get("job") is None
+        [dead] = await q.dead_letters()
+        assert (dead.key, dead.attempts, dead.last_error) == ("job", 1, "TimedOut: cancelled at its timeout of 30.0s")
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert history == ["start 1", "cancelled"]
+
+
+# -- topic handlers: the threaded worker's topic consumers, each delivery a task -------------------------
+def async_topic_handler(topic: str, body: Callable[[TopicDelivery], Awaitable[None]], **attrs: Any) -> TopicHandler:
+    async def handle(self: TopicHandler, d: TopicDelivery, conn: Any = None) -> None:
+        await body(d)
+
+    attrs.setdefault("lease_duration", 3 * SECOND)  # a rebalance every second of real time
+    attrs.setdefault("visibility_timeout", 30 * SECOND)
+    cls = type("AsyncTopicConsumer", (TopicHandler,), {"topic": topic, "group": "g", "handle": handle, **attrs})
+    return cls()  # type: ignore[no-any-return]
+
+
+def test_the_async_worker_runs_topic_handlers_under_the_one_outcome_decision(
+    backend: Backend, clock: ManualClock
+) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    history: list[tuple[str, int]] = []
+
+    async def body(d: TopicDelivery) -> None:
+        history.append((d.message_id, d.attempts))
+        if d.message_id == "flaky" and d.attempts == 1:
+            raise ValueError("once")
+        if d.message_id == "bad":
+            raise DeadLetter("no such order")
+        if d.message_id == "slow" and d.attempts == 1:
+            try:
+                await asyncio.Event().wait()  # hangs until its timeout cancels it
+            except asyncio.CancelledError:
+                history.append(("slow cancelled", 1))
+                raise
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        topic = AsyncTopic(engine, name, clock=clock)
+        await topic.create(1)
+        await topic.publish_many([("k", m, m) for m in ("ok", "flaky", "bad", "slow")])
+        handler = async_topic_handler(
+            name,
+            body,
+            retry=RetryPolicy.fixed(dt.timedelta(0), max_attempts=3),
+            timeout=dt.timedelta(minutes=1),
+            visibility_timeout=dt.timedelta(minutes=5),  # the clock's jump past the timeout stays inside it
+        )
+        worker = AsyncWorker(engine, [handler], clock=clock, poll_interval=FAST, listen=False)
+        worker.start()
+        try:
+
+            async def seen(*what: tuple[str, int]) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return all(w in history for w in what)
+
+                return check
+
+            await wait_for(await seen(("ok", 1), ("flaky", 2), ("bad", 1), ("slow", 1)), "the first deliveries")
+            assert ("slow", 2) not in history  # held (its visibility extended) while its handler runs
+            clock.advance(dt.timedelta(minutes=1, seconds=1))  # past the slow handler's timeout
+            await wait_for(await seen(("slow cancelled", 1), ("slow", 2)), "the timed-out attempt's retry")
+
+            async def all_done() -> bool:
+                return worker.handled == 6 and worker.health().held == 0
+
+            await wait_for(all_done, "every outcome recorded")
+        finally:
+            assert await worker.stop()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert history.index(("slow cancelled", 1)) < history.index(("slow", 2))  # never two runs at once
+    assert sorted(history) == sorted(
+        [("ok", 1), ("flaky", 1), ("flaky", 2), ("bad", 1), ("slow", 1), ("slow cancelled", 1), ("slow", 2)]
+    )
+    [lag] = group_lag(backend.engine, name, "g")
+    assert (lag.head, lag.watermark, lag.pending) == (4, 4, 0)  # the worker advanced it as it left the group
+    dlq = Subscription(backend.engine, dead_letter_topic(name), "inspect", "me", clock=clock)
+    dlq.rebalance()
+    [dead] = dlq.poll()
+    dlq.close()
+    assert dead.dead_letter is not None and (dead.message_id, dead.dead_letter.last_error) == ("g:bad", "no such order")
+
+
+def test_the_async_worker_refuses_sync_and_transactional_topic_handlers() -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def body(d: TopicDelivery) -> None:
+        pass
+
+    engine = create_async_engine("sqlite+aiosqlite://")
+    sync = type("SyncConsumer", (TopicHandler,), {"topic": "orders", "group": "g", "handle": lambda self, d: None})
+    with pytest.raises(InvalidInputError, match=r"coroutine .* use delayq\.Worker"):
+        AsyncWorker(engine, [sync])
+    with pytest.raises(InvalidInputError, match="transactional topic handlers"):
+        AsyncWorker(engine, [async_topic_handler("orders", body, transactional=True)])

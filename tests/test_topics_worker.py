@@ -434,3 +434,38 @@ def test_a_queue_of_the_same_name_is_not_confused_with_a_topic(
     worker = Worker(engine, [Jobs, topic_handler(queue_name, lambda d, _: seen.append(d.payload))], clock=clock)
     assert worker.run_once() == 2
     assert sorted(seen) == ["queue", "topic"]
+
+
+def test_a_topic_message_whose_handler_dies_every_time_is_dead_lettered_as_a_queue_message_is(
+    engine: sa.Engine, topic_name: str, clock: ManualClock, make_topic: Callable[[int], Topic]
+) -> None:
+    # One decision for both sources: the claim-time cap buries with the same reason (topics said "without an ack").
+    topic, vt, calls = make_topic(1), 10 * SECOND, Counter[str]()
+    policy = RetryPolicy(max_attempts=2)
+    topic.publish("k", "job", 1)
+    queue = DelayedQueue(engine, topic_name, visibility_timeout=vt, clock=clock, max_deliveries=2)
+    queue.offer("job", 1)
+    dying = Subscription(engine, topic_name, "g", "dies", visibility_timeout=vt, max_attempts=2, clock=clock)
+    dying.rebalance()
+    for attempt in (1, 2):  # two deliveries whose consumer "dies": no outcome, the lock and visibility run out
+        [d] = dying.poll()
+        q = queue.try_poll()
+        assert d.attempts == attempt and q is not None and q.attempts == attempt
+        clock.advance(vt + SECOND)
+    clock.advance(dt.timedelta(minutes=5))  # the dead subscriber's lease runs out too
+    worker = Worker(
+        engine,
+        [topic_handler(topic_name, lambda d, _: calls.update([d.message_id]), retry=policy, visibility_timeout=vt)],
+        clock=clock,
+        **FAST,
+    )
+    assert worker.run_once() == 0
+    assert queue.try_poll() is None
+    assert calls == {}
+    [dead_job] = queue.dead_letters()
+    dlq = Subscription(engine, dead_letter_topic(topic_name), "inspect", "me", clock=clock)
+    dlq.rebalance()
+    [dead] = dlq.poll()
+    dlq.close()
+    assert dead.dead_letter is not None
+    assert dead.dead_letter.last_error == dead_job.last_error == "delivered 2 times without an outcome"

@@ -2,14 +2,18 @@
 
 It is the threaded ``Worker`` with its waits made awaitable: the fair fetch (``Worker._fetch``),
 the leases (heartbeats, batched acks, release), the outcome of a failed attempt and the wake-up
-channel are the threaded worker's own, run in SQLAlchemy's greenlets. What differs: handlers are
+channel, and the topic consumers (``delayq.topics.consumer``: polls, rebalances, extensions,
+watermarks, outcomes) are the threaded worker's own, run in SQLAlchemy's greenlets. What differs: handlers are
 tasks (at most ``concurrency`` at once), the loops are tasks, every database call of the fetch loop
 and the heartbeat is bounded by ``stall_timeout`` (a cancelled call drops its connection), and
 PostgreSQL's LISTEN runs on an async psycopg connection.
 
-Cancelling a handler's task (or the worker's) releases its message: due again at once, the
-attempt not counted. Cancelling ``run()`` releases everything held and re-raises at once; a stop
-(``stop()``, SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
+A handler past its ``Handler.timeout`` is cancelled by the worker (found by the heartbeat task, or by
+``run_once`` as it waits): that is a failed attempt (``TimedOut``), retried or dead-lettered per the
+handler's policy, the one outcome decision (``delayq._outcome``). Any other cancellation of a
+handler's task (or the worker's) releases its message: due again at once, the attempt not counted.
+Cancelling ``run()`` releases everything held and re-raises at once; a stop (``stop()``,
+SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
 ``shutdown_timeout``, the rest are cancelled and released.
 """
 
@@ -32,15 +36,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from delayq import observe
+from delayq._outcome import TimedOut
 from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
 from delayq.clock import Clock
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import Handler
-from delayq.leases import Lease, describe
+from delayq.leases import Lease, describe, overdue
 from delayq.messages import Delivery
 from delayq.schema import DEFAULT_PREFIX
 from delayq.threads import DaemonPool, Task
+from delayq.topics.consumer import TICK as TOPICS_TICK
+from delayq.topics.consumer import Held, TopicConsumer
 from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, check_api
 from delayq.worker import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
@@ -55,7 +62,8 @@ class AsyncHandler(Handler):
     """A ``Handler`` whose ``handle`` is a coroutine; the same class attributes (see ``Handler``).
 
     ``handle(delivery)`` gets an ``AsyncDelivery``; a transactional handler also gets the
-    ``AsyncConnection`` of the transaction that deletes the message.
+    ``AsyncConnection`` of the transaction that deletes the message. Unlike a thread handler, one
+    running past its ``timeout`` is cancelled: a failed attempt, retried or dead-lettered per ``retry``.
     """
 
     async def handle(  # type: ignore[override]
@@ -85,12 +93,18 @@ class _StartNow(DaemonPool):
 
 
 class AsyncWorker(Worker):
-    """Consumes the queues of its ``AsyncHandler``s on the running event loop until stopped.
+    """Consumes the queues of its ``AsyncHandler``s, and the topics of its async ``TopicHandler``s, on the
+    running event loop until stopped.
 
     Args:
         engine: an ``AsyncEngine`` on the database holding delayq's tables. Its pool should allow
-            a connection per transactional handler plus three (fetch, heartbeat, listener).
-        handlers: ``AsyncHandler`` subclasses or instances, one per queue.
+            a connection per transactional handler plus three (fetch, heartbeat, listener), and
+            one more with topic handlers.
+        handlers: ``AsyncHandler`` subclasses or instances, one per queue; ``TopicHandler`` ones
+            whose ``handle(delivery)`` is ``async def``, one per (topic, group), run through the
+            threaded worker's own topic consumers (not transactional ones yet). A topic handler
+            acts on its message by returning or raising (``Retry``, ``DeadLetter``), not through
+            ``delivery.ack()``.
         concurrency, poll_interval, shutdown_timeout, clock, table_prefix, schema, listen,
             stall_timeout: as for ``Worker`` (the same defaults).
         transient_retry: how the handlers' ``AsyncDelivery`` operations (and their queues')
@@ -107,7 +121,7 @@ class AsyncWorker(Worker):
     def __init__(
         self,
         engine: AsyncEngine,
-        handlers: Iterable[AsyncHandler | type[AsyncHandler]],
+        handlers: Iterable[AsyncHandler | type[AsyncHandler] | TopicHandler | type[TopicHandler]],
         *,
         concurrency: int = 4,
         poll_interval: dt.timedelta = dt.timedelta(seconds=1),
@@ -122,14 +136,9 @@ class AsyncWorker(Worker):
         check_api(engine, "AsyncWorker")  # a sync Engine: the error names delayq.Worker
         if not isinstance(engine, AsyncEngine):
             raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}")
-        given = list(handlers)
-        for g in given:
-            if isinstance(g, TopicHandler) or (isinstance(g, type) and issubclass(g, TopicHandler)):
-                name = g.__name__ if isinstance(g, type) else type(g).__name__
-                raise InvalidInputError(f"{name} is a TopicHandler: AsyncWorker does not run them (use delayq.Worker)")
         super().__init__(
             engine.sync_engine,
-            given,
+            handlers,
             concurrency=concurrency,
             poll_interval=poll_interval,
             shutdown_timeout=shutdown_timeout,
@@ -140,6 +149,17 @@ class AsyncWorker(Worker):
             stall_timeout=stall_timeout,
         )
         self.async_engine = engine
+        for c in self._topics.consumers:
+            name = type(c.handler).__name__
+            if not inspect.iscoroutinefunction(c.handler.handle):
+                raise InvalidInputError(
+                    f"{name}.handle must be a coroutine (async def) in an AsyncWorker, or use delayq.Worker"
+                )
+            if c.handler.transactional:
+                raise InvalidInputError(
+                    f"{name}: AsyncWorker does not run transactional topic handlers yet (use delayq.Worker)"
+                )
+            c.on_tasks = True
         self.async_queues: dict[str, AsyncDelayedQueue] = {}
         for name, (h, _) in list(self._queues.items()):
             if not inspect.iscoroutinefunction(h.handle):
@@ -162,11 +182,14 @@ class AsyncWorker(Worker):
             self.async_queues[name] = aq
             self._queues[name] = (h, aq.sync)  # the sync core, retried by the worker's loops
         self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
+        self._in_handler: set[int] = set()  # id(lease) of the handlers awaited now (only these are timed out)
+        self._timed_out: set[int] = set()  # id(lease) of the handlers cancelled at their timeout
         self._unknown_claims: list[tuple[str, str]] = []  # (queue, token) of claims whose reply never came
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
         self._acks_due: asyncio.Event | None = None  # a handled delivery awaits its ack
         self._acking_ends = False  # set: the ack task ends
+        self._topics_end = False  # set: the topics task ends
         self._done: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
 
@@ -211,7 +234,8 @@ class AsyncWorker(Worker):
             running=running,
             loops=MappingProxyType({name: running and not t.done() for name, t in self._loop_tasks.items()}),
             seconds_since_fetch=None if last is None else time.monotonic() - last,
-            held=len(self._leases),
+            held=len(self._leases) + self._topics.running(),
+            stuck=self._leases.stuck() + self._topics.stuck(),
         )
 
     async def run_once(self) -> int:  # type: ignore[override]
@@ -219,19 +243,26 @@ class AsyncWorker(Worker):
         self._pool = _StartNow()
         self._nudge = asyncio.Event()
         done = 0
-        while True:
-            before = set(self._tasks.values())
-            try:
-                started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
-            finally:
-                await self._give_back_unknown_claims()
-            new = [t for t in self._tasks.values() if t not in before]
-            if new:
-                await asyncio.wait(new)
-            await self._call(self._flush_acks)
-            if not started:
-                return done
-            done += len(started)
+        try:
+            if self._topics:
+                await self._call(self._topics.rebalance)
+            while True:
+                before = set(self._tasks.values())
+                try:
+                    started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
+                finally:
+                    await self._give_back_unknown_claims()
+                new = {t for t in self._tasks.values() if t not in before}
+                while new:  # (handlers past their timeout are cancelled meanwhile)
+                    _, new = await asyncio.wait(new, timeout=HEARTBEAT_TICK)
+                    self._cancel_overdue()
+                await self._call(self._flush_acks)
+                if not started:
+                    return done
+                done += len(started)
+        finally:
+            if self._topics:
+                await self._bounded(self._leave_topics)
 
     # -- loops ----------------------------------------------------------------------------------
     async def _serve_async(self) -> None:
@@ -239,7 +270,7 @@ class AsyncWorker(Worker):
         self._error = None
         self._pool = _StartNow()
         self._nudge, self._acks_due, self._done = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self._acking_ends = False
+        self._acking_ends = self._topics_end = False
         current = asyncio.current_task()
         assert current is not None
         self._loop_tasks = {
@@ -247,9 +278,17 @@ class AsyncWorker(Worker):
             "heartbeat": asyncio.create_task(self._heartbeat_task()),
             "ack": asyncio.create_task(self._ack_task()),
         }
-        if self._listen and dialect_for(self.engine).can_notify:
+        if self._listen and self._channel and dialect_for(self.engine).can_notify:
             self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
-        log.info("async worker started: queues %s, concurrency %d", ", ".join(self._queues), self.concurrency)
+        if self._topics:
+            self._loop_tasks["topics"] = asyncio.create_task(self._topics_task())
+        log.info(
+            "async worker %s started: queues %s; topics %s; concurrency %d",
+            self.name,
+            ", ".join(self._queues) or "none",
+            self._topics or "none",
+            self.concurrency,
+        )
         cancelled = False
         try:
             await self._fetch_task()
@@ -299,9 +338,11 @@ class AsyncWorker(Worker):
                 idle_sleep = min(idle_sleep * 2, self.poll_interval)
 
     async def _heartbeat_task(self) -> None:
-        """Extend the locks held, half a visibility timeout before they would expire."""
+        """Extend the locks held, half a visibility timeout before they would expire; cancel the handlers past
+        their timeout."""
         errors = 0
         while True:
+            self._cancel_overdue()
             try:
                 ok = await self._call(self._leases.beat)
             except Exception as exc:
@@ -309,6 +350,34 @@ class AsyncWorker(Worker):
                 ok = False
             errors = 0 if ok else errors + 1
             await asyncio.sleep(backoff(errors) if errors else HEARTBEAT_TICK)
+
+    async def _topics_task(self) -> None:
+        """The topic handlers' upkeep, as the threaded worker's topics thread: rebalances, extensions of the
+        deliveries whose handlers run, watermarks (``TopicConsumer.maintain``, which never raises)."""
+        while not self._topics_end:
+            try:
+                await self._call(self._maintain_topics)
+            except Exception as exc:  # (a stalled call) the next round tries again
+                log.warning("topics: %s", describe(exc))
+            await asyncio.sleep(TOPICS_TICK)
+
+    async def _stop_topics_task(self) -> None:
+        """End the topics task between two rounds (cancelled inside one, its transaction would stay open on a
+        connection nobody returns); a round stuck for 10 s is cancelled all the same."""
+        task = self._loop_tasks.get("topics")
+        if task is None or task.done():
+            return
+        self._topics_end = True
+        await asyncio.wait([task], timeout=10.0)
+        task.cancel()
+
+    def _maintain_topics(self) -> None:
+        for c in self._topics.consumers:
+            c.maintain(self._poke)
+
+    def _leave_topics(self) -> None:
+        for c in self._topics.consumers:
+            c.leave()
 
     async def _ack_task(self) -> None:
         """Ack handled deliveries in batches beside the claims, as ``Worker._ack_loop`` does: a claim and
@@ -368,6 +437,13 @@ class AsyncWorker(Worker):
         unstarted = [x for x in self._leases.still_running() if (t := self._tasks.get(id(x))) is None or t.done()]
         if unstarted:
             await self._bounded(self._leases.release, unstarted, "cancelled before its handler started")
+        for c in self._topics.consumers:
+            for held in c.holding():
+                if (t := self._tasks.get(id(held))) is None or t.done():
+                    await self._bounded(c.give_back, held, self._poke, "cancelled before its handler started")
+        if self._topics:
+            await self._stop_topics_task()  # no rebalance after leaving
+            await self._bounded(self._leave_topics)
         await self._flush_acks_async()
         unacked = self._leases.clear()
         if unacked:
@@ -421,6 +497,73 @@ class AsyncWorker(Worker):
             log.info("queue %s: gave back %d message(s) of a claim whose reply never came", aq.name, given)
 
     # -- one delivery ---------------------------------------------------------------------------
+    def _cancel_overdue(self) -> None:
+        """Cancel (once) each handler found running past its ``timeout``: a failed attempt, decided as any."""
+        for lease in self._leases.newly_overdue():
+            task = self._tasks.get(id(lease))
+            if task is None or task.done() or id(lease) not in self._in_handler:
+                continue  # (it returned, or records its outcome: that stands)
+            timeout = lease.handler.timeout
+            assert timeout is not None
+            overdue(lease.delivery.label, time.monotonic() - lease.started_at, timeout, cancelled=True)
+            observe.count("overdue", lease.queue.name)
+            self._timed_out.add(id(lease))
+            task.cancel()
+        for c in self._topics.consumers:
+            for held in c.newly_overdue():
+                task = self._tasks.get(id(held))
+                if task is None or task.done() or id(held) not in self._in_handler:
+                    continue
+                timeout = c.handler.timeout
+                assert timeout is not None
+                overdue(held.label, time.monotonic() - held.started_at, timeout, cancelled=True)
+                observe.count("overdue", c.sub.topic)
+                self._timed_out.add(id(held))
+                task.cancel()
+
+    def _poll(self, consumer: TopicConsumer, limit: int, guard: bool) -> list[Task]:
+        """``Worker._poll``, each delivery's handler started as a task that records its outcome at the end."""
+        assert self._pool is not None
+        got = consumer.claim(
+            limit, self._pool, self._poke, guard, execute=functools.partial(self._start_topic, consumer)
+        )
+        if got is None:
+            return []
+        self._last_fetch = time.monotonic()
+        return got
+
+    def _start_topic(self, consumer: TopicConsumer, held: Held, done: Callable[[], None]) -> None:
+        self._tasks[id(held)] = asyncio.get_running_loop().create_task(self._handle_topic(consumer, held, done))
+
+    async def _handle_topic(self, consumer: TopicConsumer, held: Held, done: Callable[[], None]) -> None:
+        """Await a topic handler; its outcome (``TopicConsumer.finish``: the one decision) is recorded in a
+        greenlet. A timeout is a failed attempt; any other cancellation gives the delivery back."""
+        handle = cast(Callable[[Any], Awaitable[None]], consumer.handler.handle)  # async: checked at init
+        error: Exception | None = None
+        try:
+            try:
+                self._in_handler.add(id(held))
+                try:
+                    await handle(held.delivery)
+                finally:
+                    self._in_handler.discard(id(held))
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if id(held) in self._timed_out and task is not None and task.uncancel() == 0:
+                    timeout = consumer.handler.timeout
+                    assert timeout is not None
+                    error = TimedOut(timeout)
+                else:
+                    await self._bounded(consumer.give_back, held, done, "its handler was cancelled")
+                    raise
+            except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
+                error = exc
+            await self._bounded(consumer.finish, held, error, done)
+        finally:
+            self._tasks.pop(id(held), None)
+            self._timed_out.discard(id(held))
+            self._poke()
+
     def _execute(self, lease: Lease) -> None:
         """Start the lease's handler as a task (called by ``Worker._fetch``, on the loop's thread)."""
         self._tasks[id(lease)] = asyncio.get_running_loop().create_task(self._handle(lease))
@@ -430,22 +573,34 @@ class AsyncWorker(Worker):
         aq = self.async_queues[lease.queue.name]
         to_ack = False
         try:
-            if handler.transactional:
-                await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
-            else:
-                await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
-                to_ack = True
+            self._in_handler.add(id(lease))
+            try:
+                if handler.transactional:
+                    await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
+                else:
+                    await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    to_ack = True
+            finally:
+                self._in_handler.discard(id(lease))
         except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
             await self._bounded(self._leases.release, [lease], "the handler's transaction could not begin")
-        except asyncio.CancelledError:  # the message goes back at once, the attempt not counted
-            await self._bounded(self._leases.release, [lease], "its handler was cancelled")
-            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if id(lease) in self._timed_out and task is not None and task.uncancel() == 0:
+                # Cancelled at its timeout, and by nothing else: a failed attempt, retried per the policy.
+                timeout = handler.timeout
+                assert timeout is not None
+                await self._bounded(self._record_failure_of, lease, TimedOut(timeout))
+            else:  # the message goes back at once, the attempt not counted
+                await self._bounded(self._leases.release, [lease], "its handler was cancelled")
+                raise
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
             await self._bounded(self._record_failure_of, lease, exc)
         finally:
             self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack task
             self._tasks.pop(id(lease), None)
+            self._timed_out.discard(id(lease))
             if to_ack and self._acks_due is not None:
                 self._acks_due.set()
             self._poke()

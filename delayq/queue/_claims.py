@@ -12,6 +12,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import history, observe
+from delayq._outcome import Bury, Unfinished, after_failure
 from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
@@ -316,9 +317,11 @@ class _Claims(_QueueBase):
         dead: list[tuple[int, str, str | None]] = []
         limit = self.max_deliveries
         for row in rows:
-            if limit is not None and row.attempts > limit:
-                dead.append((row.id, row.lock_token, f"delivered {row.attempts - 1} times without an outcome"))
-                continue
+            if limit is not None:  # this claim is delivery ``attempts``: the earlier ones ended without an outcome
+                cap = after_failure(Unfinished(row.attempts - 1), row.attempts - 1, max_attempts=limit)
+                if isinstance(cap, Bury):
+                    dead.append((row.id, row.lock_token, cap.reason))
+                    continue
             try:
                 payload = self._decode(row.key, row.payload_type, row.payload)
             except SerializationMismatchError as exc:

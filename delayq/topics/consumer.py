@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delayq import observe
+from delayq._outcome import Bury, after_failure
 from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
@@ -94,6 +95,10 @@ class TopicConsumer:
         self._rebalanced_on_clock: dt.datetime | None = None
         self._watermarks_at = 0.0
         self._rebalance_every = handler.lease_duration.total_seconds() / 3
+        self.on_tasks = False
+        """Driven by an ``AsyncWorker``: polls and upkeep are greenlets of one thread, so a rebalance never
+        waits for a poll (it would block the loop the poll needs: it tries at the next round), and handlers
+        past their timeout are left to the worker, which cancels them."""
 
     def __repr__(self) -> str:
         return f"TopicConsumer({self.sub.topic!r}, group={self.sub.group!r}, subscriber={self.sub.name!r})"
@@ -112,11 +117,11 @@ class TopicConsumer:
         with self._lock:
             return sum(1 for x in self._held.values() if x.overdue and not x.finishing)
 
-    def _report_overdue(self, now: float) -> None:
-        """Warn of (and count) each handler found running past its ``timeout``, once."""
+    def newly_overdue(self) -> list[Held]:
+        """The deliveries whose handlers now run past the handler's ``timeout``, each returned once."""
         timeout = self.handler.timeout
         if timeout is None:
-            return
+            return []
         with self._lock:
             found = [
                 x
@@ -125,8 +130,20 @@ class TopicConsumer:
             ]
             for x in found:
                 x.overdue = True
-        for x in found:
-            overdue(x.label, now - x.started_at, timeout)
+        return found
+
+    def holding(self) -> list[Held]:
+        """The deliveries held now."""
+        with self._lock:
+            return list(self._held.values())
+
+    def _report_overdue(self, now: float) -> None:
+        """Warn of (and count) each handler found running past its ``timeout``, once."""
+        if self.on_tasks:
+            return
+        for x in self.newly_overdue():
+            assert self.handler.timeout is not None
+            overdue(x.label, now - x.started_at, self.handler.timeout)
             observe.count("overdue", self.sub.topic)
 
     def ready(self, now: float) -> bool:
@@ -134,10 +151,18 @@ class TopicConsumer:
         return now >= self._poll_at
 
     # -- the fetch loop's side ------------------------------------------------------------------
-    def claim(self, limit: int, pool: DaemonPool, done: Callable[[], None], guard: bool = True) -> list[Task] | None:
+    def claim(
+        self,
+        limit: int,
+        pool: DaemonPool,
+        done: Callable[[], None],
+        guard: bool = True,
+        execute: Callable[[Held, Callable[[], None]], None] | None = None,
+    ) -> list[Task] | None:
         """Poll up to ``limit`` messages and start their handlers on ``pool`` (``done`` is called after
         each); None when the poll failed (logged, this consumer backs off). With ``guard=False`` a
-        failed poll raises."""
+        failed poll raises. ``execute(held, done)`` runs one delivery (default: the handler on this
+        thread, then its outcome; an ``AsyncWorker`` starts a task that ends in ``finish``)."""
         if not self._polling.acquire(blocking=False):  # a rebalance runs: poll at the next round
             return []
         try:
@@ -161,7 +186,7 @@ class TopicConsumer:
                 held.started_on_clock = None if self.clock is None else self.clock.now()
                 with self._lock:
                     self._held[id(held)] = held
-                held.task = pool.submit(functools.partial(self._execute, held, done))
+                held.task = pool.submit(functools.partial(execute or self._execute, held, done))
                 tasks.append(held.task)
             return tasks
         finally:
@@ -200,10 +225,34 @@ class TopicConsumer:
             if not handler.transactional:
                 self._ack(held)
         finally:
-            with self._lock:
-                self._held.pop(id(held), None)
-                self.handled += 1
-            done()
+            self._forget(held, done)
+
+    def finish(self, held: Held, error: Exception | None, done: Callable[[], None]) -> None:
+        """Record the outcome of a handler that returned (``error`` None: ack) or raised (nack or dead letter,
+        as ``decide`` says), then forget the delivery; never raises (failures are logged)."""
+        try:
+            held.finishing = True
+            if error is None:
+                self._ack(held)
+            else:
+                self._record_failure(held, error)
+        finally:
+            self._forget(held, done)
+
+    def give_back(self, held: Held, done: Callable[[], None], why: str) -> None:
+        """Release a delivery whose handler was stopped (the attempt not counted), then forget it."""
+        try:
+            held.finishing = True
+            self._release([held], why)
+        finally:
+            self._forget(held, done)
+
+    def _forget(self, held: Held, done: Callable[[], None]) -> None:
+        with self._lock:
+            if self._held.pop(id(held), None) is None:
+                return  # forgotten already
+            self.handled += 1
+        done()
 
     def _ack(self, held: Held) -> None:
         try:
@@ -215,33 +264,26 @@ class TopicConsumer:
             log.warning("%s: could not ack (%s); it will be delivered again", held.label, describe(exc))
 
     def _record_failure(self, held: Held, exc: Exception) -> None:
-        """Nack with the policy's delay, or dead-letter when attempts ran out; ``Retry`` counts as an attempt."""
-        d, policy = held.delivery, self.handler.retry
-        if isinstance(exc, DeadLetter):
-            error, give_up = exc.reason, True
-        elif isinstance(exc, Retry):
-            error, give_up = exc.reason or "retry requested", policy.gives_up_after(d.attempts)
-        else:
-            error, give_up = f"{type(exc).__name__}: {exc}", policy.gives_up_after(d.attempts)
+        """Record what ``decide`` makes of a failed attempt: a nack with a delay, or the dead-letter topic."""
+        d = held.delivery
+        outcome = after_failure(exc, d.attempts, self.handler.retry)
         traceback = None if isinstance(exc, (Retry, DeadLetter)) else exc
         try:
-            if give_up:
+            if isinstance(outcome, Bury):
                 dlq = dead_letter_topic(d.topic)
-                log.warning("%s: failed, moved to %s: %s", held.label, dlq, error, exc_info=traceback)
-                recorded = self.sub.fail(d, error)
+                log.warning("%s: failed, moved to %s: %s", held.label, dlq, outcome.reason, exc_info=traceback)
+                recorded = self.sub.fail(d, outcome.reason)
             else:
-                delay = exc.after if isinstance(exc, Retry) and exc.after is not None else policy.delay(d.attempts)
-                what = "retry requested" if isinstance(exc, Retry) else "failed"
                 log.log(
                     logging.INFO if traceback is None else logging.WARNING,
                     "%s: %s, next in %s: %s",
                     held.label,
-                    what,
-                    human(delay),
-                    error,
+                    "retry requested" if outcome.requested else "failed",
+                    human(outcome.delay),
+                    outcome.error,
                     exc_info=traceback,
                 )
-                recorded = self.sub.nack(d, delay, error)
+                recorded = self.sub.nack(d, outcome.delay, outcome.error)
             if not recorded:
                 log.warning("%s: lease lost before the outcome was recorded", held.label)
         except Exception as db_error:
@@ -276,11 +318,15 @@ class TopicConsumer:
     def rebalance(self, wake: Callable[[], None] = lambda: None) -> None:
         """Heartbeat, renew the leases, hold the fair share (busy partitions released last); ``wake``
         when partitions were gained."""
-        with self._polling:
+        if not self._polling.acquire(blocking=not self.on_tasks):
+            return  # a poll runs (greenlets): at the next round
+        try:
             with self._lock:
                 busy = {x.delivery.partition for x in self._held.values()}
             before = set(self.sub.held)
             held = set(self.sub.rebalance(busy=busy))
+        finally:
+            self._polling.release()
         self._rebalance_at = time.monotonic() + self._rebalance_every
         self._rebalanced_on_clock = None if self.clock is None else self.clock.now()
         if held != before:

@@ -18,6 +18,8 @@ from typing import Any, Literal, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 
+from delayq._outcome import Bury, Unfinished, after_failure
+from delayq._steering import Retry
 from delayq.clock import Clock, duration_ms, from_ms
 from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError, SerializationMismatchError
@@ -399,7 +401,8 @@ class Subscription:
             raise InvalidInputError("delay must not be negative")
 
         def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
-            if self.max_attempts is not None and delivery.attempts >= self.max_attempts:
+            retried = after_failure(Retry(delay, error), delivery.attempts, max_attempts=self.max_attempts)
+            if isinstance(retried, Bury):  # the last attempt: a nack cannot bring it back
                 return self._bury(conn, stmts, key, delivery.offset, delivery.attempts, error)
             params = {**self._this(key, delivery), "until": now + delay_ms, "error": error}
             return conn.execute(stmts.nack, params).rowcount == 1
@@ -587,9 +590,11 @@ class Subscription:
                 if self.strict:
                     break
                 continue
-            if state is not None and self.max_attempts is not None and state.attempts >= self.max_attempts:
-                doomed[o] = (int(state.attempts), f"delivered {state.attempts} times without an ack")
-                continue
+            if state is not None and self.max_attempts is not None:  # delivered before, no outcome since
+                cap = after_failure(Unfinished(state.attempts), int(state.attempts), max_attempts=self.max_attempts)
+                if isinstance(cap, Bury):
+                    doomed[o] = (int(state.attempts), cap.reason)
+                    continue
             if state is None:
                 fresh.append(o)
             else:
