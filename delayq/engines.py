@@ -34,10 +34,11 @@ def create_engine(
     """An engine with delayq's network timeouts: a pool of ``pool_size`` connections (plus ``max_overflow``),
     or none (``NullPool``, a connection per use) when ``pool_size`` is None. ``kwargs`` go to SQLAlchemy."""
     parsed = sa.engine.make_url(url)
-    defaults = dialect_class(parsed.get_backend_name()).network_timeouts
+    dialect = dialect_class(parsed.get_backend_name())
+    defaults = dialect.network_timeouts
     connect_args = {k: v for k, v in defaults.items() if k not in parsed.query}
     connect_args.update(kwargs.pop("connect_args", {}))
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if dialect.in_memory(parsed):
         return sa.create_engine(parsed, connect_args=connect_args, **kwargs)  # one connection, kept (StaticPool)
     if pool_size is None:
         return sa.create_engine(parsed, poolclass=sa.pool.NullPool, connect_args=connect_args, **kwargs)

@@ -17,6 +17,7 @@ import click
 import sqlalchemy as sa
 
 from delayq import engines, migrations
+from delayq.dialects import dialect_class
 from delayq.errors import DelayqError, install_hint
 from delayq.humanize import human
 from delayq.schema import make_tables
@@ -87,7 +88,11 @@ def check_url(url: str) -> sa.engine.URL | None:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         return None  # the command reports a bad URL
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+    try:
+        in_memory = dialect_class(parsed.get_backend_name()).in_memory(parsed)
+    except DelayqError:
+        in_memory = False  # a backend delayq does not run on: the command says so when it connects
+    if in_memory:
         raise Fail(
             "sqlite:///:memory: is a database of one process, gone when the command ends: "
             "give a file, e.g. --url sqlite:///delayq.db"

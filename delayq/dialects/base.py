@@ -239,6 +239,11 @@ class Dialect:
     #: a URL's query overrides each.
     network_timeouts: ClassVar[dict[str, int]] = {}
 
+    @classmethod
+    def in_memory(cls, url: sa.URL) -> bool:
+        """Whether ``url`` names a database that lives in one process only (gone when it ends)."""
+        return False
+
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         self.sa_dialect = sa_dialect
         self._verified = False

@@ -86,6 +86,11 @@ def _errorcode(exc: DBAPIError) -> int:
 
 class SQLiteDialect(Dialect):
     name: ClassVar[str] = "sqlite"
+
+    @classmethod
+    def in_memory(cls, url: sa.URL) -> bool:
+        return url.database in (None, "", ":memory:")
+
     min_version: ClassVar[tuple[int, ...]] = (3, 35)  # RETURNING
     # No row locks (FOR UPDATE is dropped): one writer at a time, whose lock a transaction takes at
     # its first write (pysqlite begins a caller's transaction there), so a locking read is a write.
