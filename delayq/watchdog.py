@@ -11,10 +11,10 @@ tells its socket only then).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +41,7 @@ class Watchdog:
         """Connections dropped so far."""
 
     def start(self) -> None:
-        sa.event.listen(self.engine, "checkout", self._on_checkout)
-        sa.event.listen(self.engine, "checkin", self._on_checkin)
+        _watching(self.engine).add(self)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="delayq-watchdog", daemon=True)
         self._thread.start()
@@ -51,9 +50,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        with contextlib.suppress(sa.exc.InvalidRequestError):
-            sa.event.remove(self.engine, "checkout", self._on_checkout)
-            sa.event.remove(self.engine, "checkin", self._on_checkin)
+        _watching(self.engine).discard(self)
 
     def _on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
         with self._lock:
@@ -81,3 +78,31 @@ class Watchdog:
                 log.warning("a database call has not returned in %.0fs: dropping its connection", now - since)
                 with self._lock:
                     self._held.pop(key, None)
+
+
+_hooks_lock = threading.Lock()
+_hooked: weakref.WeakKeyDictionary[sa.Engine, set[Watchdog]] = weakref.WeakKeyDictionary()
+
+
+def _watching(engine: sa.Engine) -> set[Watchdog]:
+    """The watchdogs of ``engine``, whose pool events reach each of them. The events are listened to once per
+    engine and never removed: SQLAlchemy's listener lists must not change while other threads check
+    connections out (a worker started or stopped beside running ones raised "deque mutated during iteration"
+    in their checkouts)."""
+    with _hooks_lock:
+        dogs = _hooked.get(engine)
+        if dogs is None:
+            dogs = _hooked[engine] = set()
+            watched = dogs
+
+            def checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+                for dog in list(watched):
+                    dog._on_checkout(dbapi_connection, record, proxy)
+
+            def checkin(dbapi_connection: Any, record: Any) -> None:
+                for dog in list(watched):
+                    dog._on_checkin(dbapi_connection, record)
+
+            sa.event.listen(engine, "checkout", checkout)
+            sa.event.listen(engine, "checkin", checkin)
+        return dogs
