@@ -52,11 +52,11 @@ class Watchdog:
             self._thread.join(5)
         _watching(self.engine).discard(self)
 
-    def _on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    def on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
         with self._lock:
             self._held[id(dbapi_connection)] = (socket_of(dbapi_connection), threading.get_ident(), time.monotonic())
 
-    def _on_checkin(self, dbapi_connection: Any, record: Any) -> None:
+    def on_checkin(self, dbapi_connection: Any, record: Any) -> None:
         with self._lock:
             self._held.pop(id(dbapi_connection), None)
 
@@ -97,11 +97,11 @@ def _watching(engine: sa.Engine) -> set[Watchdog]:
 
             def checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
                 for dog in list(watched):
-                    dog._on_checkout(dbapi_connection, record, proxy)
+                    dog.on_checkout(dbapi_connection, record, proxy)
 
             def checkin(dbapi_connection: Any, record: Any) -> None:
                 for dog in list(watched):
-                    dog._on_checkin(dbapi_connection, record)
+                    dog.on_checkin(dbapi_connection, record)
 
             sa.event.listen(engine, "checkout", checkout)
             sa.event.listen(engine, "checkin", checkin)
