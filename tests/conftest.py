@@ -246,7 +246,7 @@ as a subprocess, the benchmarks' smoke run. Single tests elsewhere carry ``@pyte
 
 SPARK_MODULES = sorted(m for m in FULL_PROFILE_MODULES if m.startswith("test_spark"))
 collect_ignore = [] if importlib.util.find_spec("pyspark") else [f"{m}.py" for m in SPARK_MODULES]
-"""Without PySpark (the fast profile installs no ``spark`` extra) its modules are not collected; the header says so."""
+"""Without PySpark (an environment without the ``spark`` extra) its modules are not collected; the header says so."""
 
 
 def pytest_report_header() -> str | None:
