@@ -34,7 +34,7 @@ def create_engine(
     """An engine with delayq's network timeouts: a pool of ``pool_size`` connections (plus ``max_overflow``),
     or none (``NullPool``, a connection per use) when ``pool_size`` is None. ``kwargs`` go to SQLAlchemy."""
     parsed = sa.engine.make_url(url)
-    dialect = dialect_class(parsed.get_backend_name())
+    dialect = dialect_class(parsed.get_backend_name(), parsed.get_driver_name())
     defaults = dialect.network_timeouts
     connect_args = {k: v for k, v in defaults.items() if k not in parsed.query}
     connect_args.update(kwargs.pop("connect_args", {}))

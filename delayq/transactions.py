@@ -195,6 +195,8 @@ class Runner:
             try:
                 if start.autocommit:
                     conn.execution_options(isolation_level="AUTOCOMMIT")
+                elif start.isolation_level is not None:
+                    conn.execution_options(isolation_level=start.isolation_level)
                 elif start.commit:
                     conn.begin()  # in a transaction from the start: a Session(bind=conn) joins it
                 for sql in start.sql:

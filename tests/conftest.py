@@ -4,7 +4,8 @@ PostgreSQL and MariaDB/MySQL.
 URLs come from ``DELAYQ_TEST_POSTGRES_URL`` and ``DELAYQ_TEST_MYSQL_URL`` (the local services by
 default). A server that cannot be reached fails the run: green means the suite ran.
 ``DELAYQ_TEST_BACKENDS=sqlite`` (a comma-separated subset) runs without servers: tests of the other
-backends are skipped, and say so. Only where
+backends are skipped, and say so. ``postgresql-asyncpg`` is an async-only backend: the async API's tests
+(``delayq.aio``) run on PostgreSQL through asyncpg too; it is selected by default where asyncpg is installed. Only where
 a Docker engine answers and testcontainers is installed does an unreachable default start a
 container instead.
 """
@@ -28,12 +29,15 @@ import sqlalchemy as sa
 from delayq import DelayedQueue, ManualClock, migrations
 from delayq.schema import metadata
 
-ALL_BACKENDS = ("sqlite", "postgresql", "mysql")
+ALL_BACKENDS = ("sqlite", "postgresql", "mysql", "postgresql-asyncpg")
+ASYNC_ONLY = {"postgresql-asyncpg": "postgresql"}
+"""Backends only the async API runs on, each with the backend whose server (and sync engine) it shares."""
 
 
 def _selected_backends() -> list[str]:
-    """The backends this run tests: ``DELAYQ_TEST_BACKENDS`` (comma-separated), or all three."""
-    names = [n.strip() for n in os.environ.get("DELAYQ_TEST_BACKENDS", ",".join(ALL_BACKENDS)).split(",") if n.strip()]
+    """The backends this run tests: ``DELAYQ_TEST_BACKENDS`` (comma-separated), or all (asyncpg's where installed)."""
+    default = [n for n in ALL_BACKENDS if n not in ASYNC_ONLY or importlib.util.find_spec("asyncpg")]
+    names = [n.strip() for n in os.environ.get("DELAYQ_TEST_BACKENDS", ",".join(default)).split(",") if n.strip()]
     unknown = sorted(set(names) - set(ALL_BACKENDS))
     if unknown or not names:
         raise pytest.UsageError(f"DELAYQ_TEST_BACKENDS={names}: choose among {', '.join(ALL_BACKENDS)}")
@@ -41,6 +45,8 @@ def _selected_backends() -> list[str]:
 
 
 BACKENDS = _selected_backends()
+SYNC_BACKENDS = [n for n in BACKENDS if n not in ASYNC_ONLY]
+ASYNC_BACKENDS = [n for n in BACKENDS if n in ASYNC_ONLY]
 DEFAULT_URLS = {
     "postgresql": "postgresql+psycopg://postgres@127.0.0.1:5432/test",
     "mysql": "mysql+mysqldb://root@127.0.0.1:3306/test",
@@ -51,7 +57,12 @@ START = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
 @dataclass
 class Backend:
-    """A reachable database with delayq's tables, and a way to make engines on it."""
+    """A reachable database with delayq's tables, and a way to make engines on it.
+
+    ``name`` is the database (sqlite, postgresql, mysql); ``url`` names the driver too: an async-only
+    backend's URL (``postgresql+asyncpg://``) makes ``make_async_engine`` use that driver, while its
+    ``engine`` and ``make_engine`` use the sync driver of the same database.
+    """
 
     name: str
     url: str
@@ -62,7 +73,9 @@ class Backend:
 
 
 def make_engine(url: str, **kwargs: Any) -> sa.Engine:
-    """An engine as the tests use it; SQLite files run in WAL mode with a generous busy timeout."""
+    """An engine as the tests use it; SQLite files run in WAL mode with a generous busy timeout.
+    An async-only backend's URL gets the sync driver of its database."""
+    url = sync_url(url)
     if url.startswith("sqlite"):
         connect_args = {"timeout": 30.0, **kwargs.pop("connect_args", {})}
         engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
@@ -111,7 +124,7 @@ def _reachable(url: str) -> Exception | None:
 def _migrated(url: str) -> None:
     """delayq's tables at head. Not dropped first: test sessions sharing a server must not clobber each
     other, and every test works in a queue of its own."""
-    migrations.upgrade(url)
+    migrations.upgrade(sync_url(url))
 
 
 class _Urls(dict[str, str]):
@@ -139,6 +152,13 @@ def backend_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
                 f"{name} at {url} cannot be reached ({error.orig}); set {var} or start the server", pytrace=False
             )
         urls[name] = url
+    for name, server in ASYNC_ONLY.items():
+        if name in BACKENDS:
+            sync = urls[server] if server in BACKENDS else os.environ.get(ENV_VARS[server], DEFAULT_URLS[server])
+            error = _reachable(sync)
+            if error is not None:
+                pytest.fail(f"{name} at {sync} cannot be reached ({error.orig}); set {ENV_VARS[server]}", pytrace=False)
+            urls[name] = sa.make_url(sync).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
     yield urls
     for container in containers:
         container.stop()
@@ -151,20 +171,21 @@ def _backend(name: str, urls: dict[str, str]) -> Backend:
     """The named backend, migrated with delayq's own migrations at first use."""
     if name not in _backends:
         _migrated(urls[name])  # skips the test when the backend is not selected
-        _backends[name] = Backend(name, urls[name], make_engine(urls[name]))
+        _backends[name] = Backend(ASYNC_ONLY.get(name, name), urls[name], make_engine(urls[name]))
     return _backends[name]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture
 def backend(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Backend:
-    """Each backend in turn."""
+    """Each backend in turn (``pytest_generate_tests``: the async-only ones for tests of the async API)."""
     return _backend(request.param, backend_urls)
 
 
 @pytest.fixture
-def postgres(backend_urls: dict[str, str]) -> Backend:
-    """PostgreSQL alone, for what only it has (planner settings, EXPLAIN)."""
-    return _backend("postgresql", backend_urls)
+def postgres(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Backend:
+    """PostgreSQL alone, for what only it has (planner settings, EXPLAIN, LISTEN); tests of the async API
+    get it through each of its drivers."""
+    return _backend(getattr(request, "param", "postgresql"), backend_urls)
 
 
 @pytest.fixture
@@ -259,13 +280,45 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+AIO_MODULES_SYNC_ONLY = {
+    # In the async API's modules, tests that use no async engine of the backend's (or build their own).
+    "test_a_sync_poll_returns_the_first_partitions_deliveries_when_the_second_partitions_connection_is_killed",
+    "test_the_async_api_refuses_what_is_not_async_and_the_sync_api_points_to_it",
+    "test_the_web_example_enqueues_in_the_orders_transaction_and_confirms",
+}
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if (
-        "api" in metafunc.fixturenames
-        and metafunc.module.__name__ in AIO_CONTRACT_MODULES
-        and metafunc.function.__name__ not in AIO_SYNC_ONLY
-    ):
+    module, function = metafunc.module.__name__, metafunc.function.__name__
+    both_apis = "api" in metafunc.fixturenames and module in AIO_CONTRACT_MODULES and function not in AIO_SYNC_ONLY
+    if both_apis and "backend" in metafunc.fixturenames:
+        # Every sync backend with both APIs, then the async-only backends with the async API.
+        pairs = [(b, a) for b in SYNC_BACKENDS for a in ("sync", "async")] + [(b, "async") for b in ASYNC_BACKENDS]
+        metafunc.parametrize(("backend", "api"), pairs, indirect=True, ids=[f"{b}-{a}" for b, a in pairs])
+        return
+    if both_apis:
         metafunc.parametrize("api", ["sync", "async"], indirect=True)
+    # The async-only backends: for tests of the async API's modules that ask for a backend themselves
+    # (a test that only asks for ``engine`` uses the sync API).
+    code = metafunc.function.__code__
+    requested = set(code.co_varnames[: code.co_argcount])
+    async_api = module.startswith("test_aio_") and function not in AIO_MODULES_SYNC_ONLY
+    marked = {n.strip() for m in metafunc.definition.iter_markers("parametrize") for n in _argnames(m.args[0])}
+
+    def backends(name: str, sync: list[str]) -> None:
+        if name in metafunc.fixturenames and name not in marked:
+            also = ASYNC_BACKENDS if async_api and name in requested else []
+            metafunc.parametrize(name, sync + also, indirect=True)
+
+    backends("backend", SYNC_BACKENDS)
+    if module in ("test_aio_seams", "test_seams_review"):  # test_aio_seams's ``server``: the backends with a server
+        backends("server", [b for b in SYNC_BACKENDS if b != "sqlite"])
+    if async_api and "postgres" in requested and "postgres" not in marked:
+        metafunc.parametrize("postgres", ["postgresql", *ASYNC_BACKENDS], indirect=True)
+
+
+def _argnames(names: str | list[str] | tuple[str, ...]) -> list[str]:
+    return names.split(",") if isinstance(names, str) else list(names)
 
 
 @pytest.fixture
@@ -275,8 +328,11 @@ def api(request: pytest.FixtureRequest) -> str:
 
 
 def async_url(url: str) -> str:
-    """The async driver's URL for a sync test URL: aiosqlite, psycopg (async), asyncmy."""
+    """The async driver's URL for a sync test URL: aiosqlite, psycopg (async), asyncmy; an async-only
+    backend's URL (asyncpg) as it is."""
     parsed = sa.make_url(url)
+    if parsed.get_driver_name() == "asyncpg":
+        return url
     driver = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg", "mysql": "mysql+asyncmy"}
     return parsed.set(drivername=driver[parsed.get_backend_name()]).render_as_string(hide_password=False)
 
@@ -305,9 +361,23 @@ def aio_runner(backend: Backend, aio_loop: Any) -> SyncRunner:
 _aio_engines: dict[str, Any] = {}
 
 
+def sync_url(url: str) -> str:
+    """The sync driver's URL for a test URL: an async-only backend's (asyncpg) becomes psycopg's."""
+    parsed = sa.make_url(url)
+    if parsed.get_driver_name() != "asyncpg":
+        return url
+    return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
 def make_async_engine(url: str, **kwargs: Any) -> Any:
-    """An ``AsyncEngine`` on the database of a sync test URL; SQLite as ``make_engine`` sets it up."""
+    """An ``AsyncEngine`` on the database of a test URL; SQLite as ``make_engine`` sets it up. On asyncpg,
+    psycopg's ``connect_args={"options": "-c name=value ..."}`` become its ``server_settings``."""
     from sqlalchemy.ext.asyncio import create_async_engine
+
+    if sa.make_url(url).get_driver_name() == "asyncpg" and "options" in kwargs.get("connect_args", {}):
+        connect_args = dict(kwargs.pop("connect_args"))
+        settings = (s.removeprefix("-c").strip().split("=", 1) for s in connect_args.pop("options").split(" -c "))
+        kwargs["connect_args"] = {**connect_args, "server_settings": {k: v for k, v in settings}}
 
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": 30.0, **kwargs.pop("connect_args", {})}

@@ -21,7 +21,6 @@ from delayq.topics import TopicDelivery
 from delayq.topics.names import partition_for
 from delayq.transactions import TransientRetry
 
-SERVERS = ["postgresql", "mysql"]
 NO_RETRY = TransientRetry(attempts=1)
 """The sync runner's retries spent at once: a killed connection fails the partition's transaction."""
 
@@ -87,8 +86,9 @@ def check_history(delivered: Counter[str], published: list[str]) -> None:
     assert set(delivered.values()) == {1}, f"delivered twice: {[m for m, n in delivered.items() if n > 1]}"
 
 
-@pytest.fixture(params=SERVERS)
+@pytest.fixture
 def server(request: pytest.FixtureRequest, backend_urls: dict[str, str]) -> Backend:
+    """Each backend with a server (conftest's ``pytest_generate_tests``: asyncpg's too, for the async API)."""
     return _backend(request.param, backend_urls)
 
 
@@ -218,8 +218,17 @@ def test_a_poll_in_the_callers_transaction_raises_and_the_callers_rollback_undoe
 
 
 # -- issue 29 row 5: a claim cancelled (or failed) while its COMMIT reply is in flight is given back -
-COMMIT = {"postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00", "mysql": b"\x03COMMIT"}
-"""The COMMIT as each driver sends it (a bare "COMMIT" also matches "READ COMMITTED")."""
+COMMIT = {
+    "postgresql": b"Q\x00\x00\x00\x0bCOMMIT\x00",
+    "mysql": b"\x03COMMIT",
+    "asyncpg": b"Q\x00\x00\x00\x0cCOMMIT;\x00",
+}
+"""The COMMIT as each driver sends it (a bare "COMMIT" also matches "READ COMMITTED"); asyncpg's its own."""
+
+
+def commit_of(server: Backend) -> bytes:
+    """``COMMIT`` for the server's driver (asyncpg's where the backend's URL names it)."""
+    return COMMIT["asyncpg" if sa.make_url(server.url).get_driver_name() == "asyncpg" else server.name]
 
 
 async def until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
@@ -264,9 +273,9 @@ def test_a_claim_cancelled_while_its_commit_reply_is_in_flight_is_given_back_at_
     async def main(proxy: FaultProxy) -> None:
         engine = make_async_engine(proxy.url_for(server.url))
         if cancel == "reply_cut":  # not a cancellation: the claim fails after the server committed it
-            at_first_claim(engine.sync_engine, lambda: proxy.cut_after(COMMIT[server.name]))
+            at_first_claim(engine.sync_engine, lambda: proxy.cut_after(commit_of(server)))
         else:  # the server committed it, the worker waits for the reply meanwhile
-            at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(COMMIT[server.name], 2.0))
+            at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(commit_of(server), 2.0))
         stall = dt.timedelta(seconds=0.5 if cancel == "stall_timeout" else 60)
         worker = AsyncWorker(
             engine, [Record], poll_interval=dt.timedelta(milliseconds=20), listen=False, stall_timeout=stall
@@ -314,7 +323,7 @@ def test_a_try_poll_timed_out_while_its_commit_reply_is_in_flight_gives_the_mess
     async def main(proxy: FaultProxy) -> None:
         engine = make_async_engine(proxy.url_for(server.url))
         # PostgreSQL claims one message in one autocommitted statement: its reply is the COMMIT's.
-        last = b"SKIP LOCKED" if server.name == "postgresql" and limit == 1 else COMMIT[server.name]
+        last = b"SKIP LOCKED" if server.name == "postgresql" and limit == 1 else commit_of(server)
         at_first_claim(engine.sync_engine, lambda: proxy.hold_reply_after(last, 2.0))
         queue = AsyncDelayedQueue(engine, queue_name)
         try:

@@ -10,6 +10,7 @@ from sqlalchemy.engine import Engine
 from delayq.dialects.base import ClaimedRow, Dialect, Mode, Statements
 from delayq.dialects.mysql import MySQLDialect
 from delayq.dialects.postgresql import PostgresDialect
+from delayq.dialects.postgresql_asyncpg import AsyncpgDialect
 from delayq.dialects.sqlite import SQLiteDialect
 from delayq.errors import UnsupportedDatabaseError
 
@@ -21,14 +22,18 @@ _REGISTRY: dict[str, type[Dialect]] = {
     "mariadb": MySQLDialect,
     "sqlite": SQLiteDialect,
 }
+_BY_DRIVER: dict[tuple[str, str], type[Dialect]] = {
+    # Where a driver behaves differently enough under the same SQL (its own transactions, errors, LISTEN).
+    ("postgresql", "asyncpg"): AsyncpgDialect,
+}
 _by_engine: weakref.WeakKeyDictionary[Engine, Dialect] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def dialect_class(name: str) -> type[Dialect]:
-    """The dialect class for a SQLAlchemy dialect name; ``UnsupportedDatabaseError`` otherwise."""
+def dialect_class(name: str, driver: str | None = None) -> type[Dialect]:
+    """The dialect class for a SQLAlchemy dialect name (and driver); ``UnsupportedDatabaseError`` otherwise."""
     try:
-        return _REGISTRY[name]
+        return _BY_DRIVER.get((name, driver or "")) or _REGISTRY[name]
     except KeyError:
         supported = ", ".join(sorted(_REGISTRY))
         raise UnsupportedDatabaseError(f"delayq does not run on {name!r}; supported: {supported}") from None
@@ -39,5 +44,5 @@ def dialect_for(engine: Engine) -> Dialect:
     with _lock:
         found = _by_engine.get(engine)
         if found is None:
-            found = _by_engine[engine] = dialect_class(engine.dialect.name)(engine.dialect)
+            found = _by_engine[engine] = dialect_class(engine.dialect.name, engine.dialect.driver)(engine.dialect)
         return found

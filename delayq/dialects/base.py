@@ -58,12 +58,14 @@ class OwnedStart:
     """How one of delayq's own operations runs on a fresh connection.
 
     ``autocommit``: switch the connection to autocommit for it (one statement is atomic on its
-    own); ``sql``: statements sent first; ``commit``: end with a COMMIT; ``marks``: what ``sql`` left
-    set on the connection's session, recorded in its pool record once ``sql`` ran (``session`` of
-    ``Dialect.owned_start`` next time).
+    own); ``isolation_level``: switch it to this level for it instead (a driver that begins its own
+    transactions begins none in autocommit); ``sql``: statements sent first; ``commit``: end with a
+    COMMIT; ``marks``: what ``sql`` left set on the connection's session, recorded in its pool record
+    once ``sql`` ran (``session`` of ``Dialect.owned_start`` next time).
     """
 
     autocommit: bool = False
+    isolation_level: str | None = None
     sql: tuple[str, ...] = ()
     commit: bool = True
     marks: tuple[tuple[str, Any], ...] = ()

@@ -9,9 +9,10 @@ Two bounds, because a frozen client and a silent network look different from eac
   ``idle_in_transaction_session_timeout``, MariaDB's ``idle_*transaction_timeout``.
 - client side, the *call bound*: a call of delayq's own (its transaction's statements and the COMMIT)
   that has not returned after the bound has its connection's socket shut down under the driver, so
-  the call fails as a lost connection instead of waiting for ever (psycopg has no read timeout; TCP
-  keepalives only speak up on an idle socket, and a peer that acknowledges but never answers, a
-  frozen server or proxy, is never detected by TCP at all). ``arm`` / ``disarm``.
+  the call fails as a lost connection instead of waiting for ever (psycopg has no read timeout, asyncpg
+  none unless each call passes one; TCP keepalives only speak up on an idle socket, and a peer that
+  acknowledges but never answers, a frozen server or proxy, is never detected by TCP at all).
+  ``arm`` / ``disarm``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def shut_down(dbapi_connection: Any) -> bool:
 def socket_of(dbapi_connection: Any) -> tuple[int, int] | None:
     """The connection's socket as (file descriptor, inode), read while the connection is idle
     (mysqlclient answers ``fileno()`` only then); None without one."""
-    fileno = getattr(dbapi_connection, "fileno", None)
+    fileno = getattr(dbapi_connection, "fileno", None) or _transport_fileno(dbapi_connection)
     if fileno is None:
         return None
     try:
@@ -57,6 +58,16 @@ def socket_of(dbapi_connection: Any) -> tuple[int, int] | None:
         return fd, os.fstat(fd).st_ino
     except Exception:  # closed already, or no socket
         return None
+
+
+def _transport_fileno(dbapi_connection: Any) -> Any:
+    """``fileno`` of an asyncio driver's socket (asyncpg behind SQLAlchemy's adapter, which has none of its
+    own): its asyncio transport's. Shut down from the call bound's thread, the event loop then reads the
+    end of the stream and the driver fails the call as a lost connection. None without one."""
+    driver = getattr(dbapi_connection, "driver_connection", None)
+    transport = getattr(driver, "_transport", None)  # asyncpg gives no public handle on its transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return getattr(sock, "fileno", None)
 
 
 def shut_down_socket(fd: int, inode: int) -> bool:

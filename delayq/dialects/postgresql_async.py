@@ -1,4 +1,5 @@
-"""PostgreSQL LISTEN on an async psycopg connection: the async worker's wake-ups (``PostgresDialect.listen_async``).
+"""PostgreSQL LISTEN on an async connection, psycopg's or asyncpg's: the async worker's wake-ups
+(``PostgresDialect.listen_async``).
 
 The async twin of ``PostgresDialect.listen`` (the same channel, payloads, self-check and
 constants): a connection of the engine's own making, detached from the pool, in autocommit. After
@@ -9,6 +10,7 @@ notification does not arrive (a half-open connection delivers nothing and raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +22,14 @@ from delayq.dialects._pg_listen import LISTEN_PING_AFTER, LISTEN_PING_TIMEOUT, P
 __all__ = ["notifications"]
 
 
-async def notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+def notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
     """Yield the queue names notified on ``channel``, until cancelled or the connection fails."""
+    if engine.dialect.driver == "asyncpg":
+        return _asyncpg_notifications(engine, channel)
+    return _psycopg_notifications(engine, channel)
+
+
+async def _psycopg_notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
     from psycopg import sql as psycopg_sql
 
     pooled = await engine.raw_connection()
@@ -61,3 +69,47 @@ async def _ping(engine: AsyncEngine, channel: str) -> None:
             await conn.commit()
     except Exception:
         return
+
+
+_CLOSED = object()
+
+
+async def _asyncpg_notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+    """``_psycopg_notifications`` on asyncpg, which hands notifications to a callback (``add_listener``):
+    the callback feeds a queue, read with the same self-check after a quiet spell. A connection that
+    closes ends the iteration with ``ListenStalledError`` at once (asyncpg's termination callback)."""
+    pooled = await engine.raw_connection()
+    conn: Any = pooled.driver_connection  # asyncpg.Connection (read before the detach forgets it)
+    pooled.detach()
+    heard: asyncio.Queue[object] = asyncio.Queue()
+
+    def on_notification(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        heard.put_nowait(payload)
+
+    def on_close(_conn: Any) -> None:
+        heard.put_nowait(_CLOSED)
+
+    try:
+        conn.add_termination_listener(on_close)
+        await conn.add_listener(channel, on_notification)  # LISTEN, the channel quoted by asyncpg
+        while True:
+            try:
+                payload = await asyncio.wait_for(heard.get(), LISTEN_PING_AFTER)
+            except TimeoutError:
+                ping = asyncio.create_task(_ping(engine, channel))
+                try:
+                    payload = await asyncio.wait_for(heard.get(), LISTEN_PING_TIMEOUT)
+                except TimeoutError:
+                    raise ListenStalledError(
+                        f"LISTEN {channel}: a test notification did not arrive in {LISTEN_PING_TIMEOUT:.0f}s"
+                    ) from None
+                finally:
+                    ping.cancel()
+            if payload is _CLOSED:
+                raise ListenStalledError(f"LISTEN {channel}: the connection closed")
+            if payload != PING:
+                yield str(payload)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), LISTEN_PING_TIMEOUT)
+        conn.terminate()  # (nothing to do where close() finished)
