@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging.config
 import os
 
@@ -45,9 +46,24 @@ def run() -> None:
     if not url:
         raise SystemExit("no database URL: pass -x url=... or set DELAYQ_URL")
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    if engine.dialect.is_async:  # an asyncio driver's URL (postgresql+asyncpg://...): through run_sync
+        engine.dispose()
+        asyncio.run(_run_async(url))
+        return
     with engine.connect() as conn:
         _run(conn)
     engine.dispose()
+
+
+async def _run_async(url: str) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_run)
+    finally:
+        await engine.dispose()
 
 
 if context.is_offline_mode():

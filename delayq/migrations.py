@@ -85,8 +85,8 @@ def downgrade(url: str | None = None, revision: str = "base", **kwargs: Any) -> 
 def _connected(url: str | None, kwargs: dict[str, Any]) -> Iterator[None]:
     """With a URL and no connection: one transaction on an engine with delayq's network timeouts (a server
     that never answers fails the command in bounded time), as ``kwargs["connection"]``."""
-    if url is None or kwargs.get("connection") is not None:
-        yield
+    if url is None or kwargs.get("connection") is not None or sa.make_url(url).get_dialect().is_async:
+        yield  # (an asyncio driver's URL: the environment connects and runs through ``run_sync``)
         return
     engine = create_engine(url)
     try:

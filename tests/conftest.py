@@ -44,9 +44,11 @@ def _selected_backends() -> list[str]:
     return [n for n in ALL_BACKENDS if n in names]
 
 
-BACKENDS = _selected_backends()
-SYNC_BACKENDS = [n for n in BACKENDS if n not in ASYNC_ONLY]
-ASYNC_BACKENDS = [n for n in BACKENDS if n in ASYNC_ONLY]
+SELECTED = _selected_backends()
+BACKENDS = [n for n in SELECTED if n not in ASYNC_ONLY]
+"""The selected backends both APIs run on (what a test parametrized by backend name runs on)."""
+ASYNC_BACKENDS = [n for n in SELECTED if n in ASYNC_ONLY]
+"""The selected async-only backends (``ASYNC_ONLY``)."""
 DEFAULT_URLS = {
     "postgresql": "postgresql+psycopg://postgres@127.0.0.1:5432/test",
     "mysql": "mysql+mysqldb://root@127.0.0.1:3306/test",
@@ -153,7 +155,7 @@ def backend_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             )
         urls[name] = url
     for name, server in ASYNC_ONLY.items():
-        if name in BACKENDS:
+        if name in ASYNC_BACKENDS:
             sync = urls[server] if server in BACKENDS else os.environ.get(ENV_VARS[server], DEFAULT_URLS[server])
             error = _reachable(sync)
             if error is not None:
@@ -293,7 +295,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     both_apis = "api" in metafunc.fixturenames and module in AIO_CONTRACT_MODULES and function not in AIO_SYNC_ONLY
     if both_apis and "backend" in metafunc.fixturenames:
         # Every sync backend with both APIs, then the async-only backends with the async API.
-        pairs = [(b, a) for b in SYNC_BACKENDS for a in ("sync", "async")] + [(b, "async") for b in ASYNC_BACKENDS]
+        pairs = [(b, a) for b in BACKENDS for a in ("sync", "async")] + [(b, "async") for b in ASYNC_BACKENDS]
         metafunc.parametrize(("backend", "api"), pairs, indirect=True, ids=[f"{b}-{a}" for b, a in pairs])
         return
     if both_apis:
@@ -310,9 +312,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             also = ASYNC_BACKENDS if async_api and name in requested else []
             metafunc.parametrize(name, sync + also, indirect=True)
 
-    backends("backend", SYNC_BACKENDS)
+    backends("backend", BACKENDS)
     if module in ("test_aio_seams", "test_seams_review"):  # test_aio_seams's ``server``: the backends with a server
-        backends("server", [b for b in SYNC_BACKENDS if b != "sqlite"])
+        backends("server", [b for b in BACKENDS if b != "sqlite"])
     if async_api and "postgres" in requested and "postgres" not in marked:
         metafunc.parametrize("postgres", ["postgresql", *ASYNC_BACKENDS], indirect=True)
 

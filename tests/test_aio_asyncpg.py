@@ -180,3 +180,20 @@ def test_the_listener_ends_at_once_when_its_connection_closes(apg: Backend) -> N
             await engine.dispose()
 
     asyncio.run(main())
+
+
+def test_migrations_run_from_an_asyncpg_url(apg: Backend) -> None:
+    """``delayq.migrations`` (and ``alembic -x url=...``) given an asyncio driver's URL run the migrations
+    on an async engine through ``run_sync``, outside any event loop."""
+    prefix = f"apg{uuid.uuid4().hex[:8]}_"
+    names = migrations.table_names(prefix)
+
+    def present() -> set[str]:
+        return set(sa.inspect(apg.engine).get_table_names()) & names
+
+    migrations.upgrade(apg.url, prefix=prefix)
+    try:
+        assert present() == names
+    finally:
+        migrations.downgrade(apg.url, prefix=prefix)
+    assert present() <= {migrations.version_table(prefix)}
