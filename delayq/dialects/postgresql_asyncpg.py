@@ -1,6 +1,7 @@
 """PostgreSQL on asyncpg (``postgresql+asyncpg://``, the async API only): what differs from psycopg.
 
-The SQL is PostgreSQL's (``PostgresDialect``); the driver differs in four places:
+The SQL is PostgreSQL's (``PostgresDialect``); the driver differs in four places here, and in the
+call bound (``bounds``: the socket is the asyncio transport's, asyncpg's connection has no ``fileno``):
 
 - transactions: SQLAlchemy's asyncpg adapter begins its own transaction (``BEGIN`` through asyncpg)
   before the first statement, and asyncpg prepares every statement, which takes one command only. So
