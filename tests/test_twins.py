@@ -195,3 +195,25 @@ def test_the_old_name_of_a_renamed_parameter_still_works_and_warns() -> None:
     with pytest.raises(InvalidInputError, match="handler= alone"):
         asyncio.run(sub.handle_exactly_once(None, lambda c: 1, fn=lambda c: 2))  # type: ignore[arg-type]
     assert len(seen) == 2
+
+
+def test_the_verbs_table_of_docs_internals_names_real_methods() -> None:
+    """Each ``name(`` of the queue and topic columns of docs/internals.md's "Queue and topic verbs" table is a
+    method of one of that column's classes, so the table stays true when a verb changes."""
+    import re
+    from pathlib import Path
+
+    from delayq.topics import TopicDelivery
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "internals.md").read_text()
+    table = text.split("### Queue and topic verbs", 1)[1].split("\n\n| act |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines()[2:] if not line.startswith("| the async twin")]
+    columns = {1: (DelayedQueue, Delivery), 2: (Topic, Subscription, TopicDelivery)}
+    missing = [
+        f"{name} ({'queue' if i == 1 else 'topic'} column)"
+        for row in rows
+        for i, classes in columns.items()
+        for name in re.findall(r"(?:\b[A-Z]\w+\.)?(\w+)\(", row[i])
+        if not any(callable(getattr(cls, name, None)) for cls in classes)
+    ]
+    assert rows and not missing, missing

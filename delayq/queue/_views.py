@@ -223,3 +223,55 @@ def _dead_count(stmts: Statements) -> sa.Select[Any]:
 def dead_count(conn: Connection, tables: Tables, queue: str, key: str) -> int:
     """How many dead letters ``queue`` holds under ``key``."""
     return int(conn.execute(_stmts(conn, tables).memo(_dead_count), {"queue_name": queue, "msg_key": key}).scalar_one())
+
+
+# -- the Spark data source's reads of a queue's messages or dead letters, by id -----------------------
+def _scanned(tables: Tables, dead: bool) -> sa.Table:
+    return tables.dead_letters if dead else tables.messages
+
+
+def _scan_where(
+    t: sa.Table, queue: str | None, where: Sequence[sa.ColumnElement[bool]], low: int | None, high: int | None
+) -> list[sa.ColumnElement[bool]]:
+    return [
+        *([] if queue is None else [t.c.queue == queue]),
+        *([] if low is None else [t.c.id >= low]),
+        *([] if high is None else [t.c.id <= high]),
+        *where,
+    ]
+
+
+def scan_span(
+    conn: Connection,
+    tables: Tables,
+    *,
+    dead: bool,
+    queue: str | None,
+    where: Sequence[sa.ColumnElement[bool]] = (),
+    low: int | None = None,
+    high: int | None = None,
+) -> tuple[int | None, int | None, int]:
+    """The lowest and highest id and the count of the rows (of ``queue``, or all; ids ``low..high``) that
+    match ``where`` (conditions over the table's columns: the data source's pushed filters)."""
+    t = _scanned(tables, dead)
+    query = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(
+        *_scan_where(t, queue, where, low, high)
+    )
+    first, last, rows = conn.execute(query).one()
+    return first, last, int(rows)
+
+
+def scan_rows(
+    tables: Tables,
+    *,
+    dead: bool,
+    queue: str | None,
+    names: Sequence[str] | None = None,
+    where: Sequence[sa.ColumnElement[bool]] = (),
+    low: int | None = None,
+    high: int | None = None,
+) -> sa.Select[Any]:
+    """The query of the columns ``names`` (None: all) of those rows, by id, for the caller to stream."""
+    t = _scanned(tables, dead)
+    columns = [t] if names is None else [t.c[n] for n in names]
+    return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)
