@@ -15,10 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from delayq.clock import from_ms, to_ms
-from delayq.dialects import dialect_for
-from delayq.dialects.base import prefix_bounds
 from delayq.history import AttemptRecord, parse
-from delayq.queue import claimed_at
+from delayq.queue import _views, claimed_at
 from delayq.schema import Tables
 
 
@@ -93,18 +91,12 @@ def queue_names(conn: sa.Connection, tables: Tables) -> list[str]:
     Queues are not registered anywhere: a queue whose messages were all acked, with no dead letters
     and no schedule, leaves no trace, and reads as a queue never used (name it to see its zeros).
     """
-    m, dead, schedules = tables.messages, tables.dead_letters, tables.schedules
-    names = sa.union(
-        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
-    )
-    return sorted(conn.execute(names).scalars())
+    return _views.queue_names(conn, tables)
 
 
 def keys_under(conn: sa.Connection, tables: Tables, queue: str, key_prefix: str) -> list[str]:
     """The keys of a queue's live messages that start with ``key_prefix`` (byte for byte), in key order."""
-    m = tables.messages
-    stmt = sa.select(m.c.key).where(m.c.queue == queue, dialect_for(conn.engine).starts_with(m.c.key)).order_by(m.c.key)
-    return list(conn.execute(stmt, prefix_bounds(key_prefix)).scalars())
+    return _views.keys_under(conn, tables, queue, key_prefix)
 
 
 def list_messages(
@@ -119,53 +111,23 @@ def list_messages(
     limit: int = 100,
 ) -> list[StoredMessage]:
     """A queue's messages (or dead letters, with ``State.DEAD``), by due time."""
-    if state is State.DEAD:
-        t = tables.dead_letters
-        stmt = sa.select(
-            t.c.key,
-            t.c.payload_type,
-            t.c.payload,
-            t.c.attempts,
-            t.c.last_error,
-            t.c.attempt_history,
-            t.c.failed_at,
-            sa.null().label("scheduled_at"),
-            sa.null().label("lock_token"),
-        ).order_by(t.c.id)
-    else:
-        t = tables.messages
-        stmt = sa.select(
-            t.c.key,
-            t.c.payload_type,
-            t.c.payload,
-            t.c.attempts,
-            t.c.last_error,
-            t.c.attempt_history,
-            sa.null().label("failed_at"),
-            t.c.scheduled_at,
-            t.c.lock_token,
-        ).order_by(t.c.scheduled_at, t.c.id)
-        now_ms = to_ms(now)
-        if state is State.READY:
-            stmt = stmt.where(t.c.scheduled_at <= now_ms, t.c.lock_token.is_(None))
-        elif state is State.SCHEDULED:
-            stmt = stmt.where(t.c.scheduled_at > now_ms, t.c.lock_token.is_(None))
-        elif state is State.IN_FLIGHT:
-            stmt = stmt.where(t.c.scheduled_at > now_ms, t.c.lock_token.is_not(None))
-        elif state is State.EXPIRED_LOCK:
-            stmt = stmt.where(t.c.scheduled_at <= now_ms, t.c.lock_token.is_not(None))
-    stmt = stmt.where(t.c.queue == queue).limit(limit)
-    params: dict[str, Any] = {}
-    if key_prefix:
-        stmt = stmt.where(dialect_for(conn.engine).starts_with(t.c.key))
-        params = prefix_bounds(key_prefix)
-    if key is not None:
-        stmt = stmt.where(t.c.key == key)
+    dead = state is State.DEAD
+    rows = _views.list_rows(
+        conn,
+        tables,
+        queue,
+        dead=dead,
+        state=None if state is None or dead else state.value,
+        now_ms=to_ms(now),
+        key_prefix=key_prefix,
+        key=key,
+        limit=limit,
+    )
     return [
         StoredMessage(
             queue=queue,
             key=r.key,
-            state=state if state is State.DEAD else _state(r.scheduled_at, r.lock_token, now),
+            state=State.DEAD if dead else _state(r.scheduled_at, r.lock_token, now),
             payload_type=r.payload_type,
             payload=show_payload(r.payload_type, r.payload),
             scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
@@ -175,7 +137,7 @@ def list_messages(
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
         )
-        for r in conn.execute(stmt, params)
+        for r in rows
     ]
 
 
@@ -188,4 +150,4 @@ def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State
 
 def database_now(conn: sa.Connection) -> dt.datetime:
     """The database's clock, which decides what is due (as ``stats()`` reads it)."""
-    return from_ms(int(conn.execute(sa.select(dialect_for(conn.engine).now_ms())).scalar_one()))
+    return from_ms(_views.database_now_ms(conn))

@@ -7,7 +7,8 @@ that is where it was raised). A message that fails forever cannot grow its row w
 
 A message's *headers* (what an offer stored beside the payload: the trace context, when
 ``delayq.tracing`` is on) are a JSON object in the ``headers`` column. Both columns travel with the
-message to the dead letters and back.
+message to the dead letters and back. The statements that read and write them are the queue's
+(``delayq/queue/_history.py``).
 """
 
 from __future__ import annotations
@@ -17,14 +18,9 @@ import json
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import sqlalchemy as sa
+from typing import Any
 
 from delayq.clock import from_ms
-
-if TYPE_CHECKING:
-    from delayq.dialects.base import Statements
 
 __all__ = ["MAX_ENTRIES", "MAX_MESSAGE", "MAX_TRACEBACK", "AttemptRecord", "Failure"]
 
@@ -143,99 +139,3 @@ def _load(stored: str | None) -> list[dict[str, Any]]:
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-@dataclass(frozen=True, eq=False)
-class HistoryStatements:
-    """The statements that read or write the attempt history and the headers (any backend)."""
-
-    select_held: sa.Select[Any]
-    retry: sa.Update
-    get: sa.Select[Any]
-    dead_latest: sa.Select[Any]
-    dead_letters: sa.Select[Any]
-    restore_requeued: sa.Update
-    history_of: sa.Select[Any]
-    headers_of: sa.Select[Any]
-    set_headers: sa.Update
-
-
-def statements(stmts: Statements) -> HistoryStatements:
-    """Build the history statements over ``stmts``' tables and clock (made once, via ``stmts.memo``)."""
-    m, dead, now = stmts.tables.messages, stmts.tables.dead_letters, stmts.now
-    held = sa.and_(m.c.id == sa.bindparam("msg_id", type_=sa.BigInteger), m.c.lock_token == _str("token"))
-    by_key = sa.and_(m.c.queue == _str("queue_name"), m.c.key == _str("msg_key"))
-    dead_cols = (
-        dead.c.id,
-        dead.c.key,
-        dead.c.payload,
-        dead.c.payload_type,
-        dead.c.scheduled_at_initially,
-        dead.c.created_at,
-        dead.c.attempts,
-        dead.c.last_error,
-        dead.c.attempt_history,
-        dead.c.headers,
-        dead.c.failed_at,
-    )
-    return HistoryStatements(
-        select_held=sa.select(
-            m.c.queue,
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at_initially,
-            m.c.created_at,
-            m.c.attempts,
-            m.c.attempt_history,
-            m.c.headers,
-            now.label("now"),
-        )
-        .where(held)
-        .with_for_update(),
-        retry=sa.update(m)
-        .where(held)
-        .values(
-            scheduled_at=now + sa.bindparam("delay", type_=sa.BigInteger),
-            lock_token=None,
-            last_error=sa.bindparam("error", type_=sa.Text),
-            attempt_history=sa.bindparam("history", type_=sa.Text),
-        ),
-        get=sa.select(
-            m.c.key,
-            m.c.payload,
-            m.c.payload_type,
-            m.c.scheduled_at,
-            m.c.scheduled_at_initially,
-            m.c.created_at,
-            m.c.attempts,
-            m.c.last_error,
-            m.c.lock_token,
-            m.c.attempt_history,
-        ).where(by_key),
-        dead_latest=sa.select(*dead_cols)
-        .where(dead.c.queue == _str("queue_name"), dead.c.key == _str("msg_key"))
-        .order_by(dead.c.id.desc())
-        .limit(1)
-        .with_for_update(),
-        dead_letters=sa.select(*dead_cols)
-        .where(dead.c.queue == _str("queue_name"), dead.c.id > sa.bindparam("after_id", type_=sa.BigInteger))
-        .order_by(dead.c.id)
-        .limit(sa.bindparam("limit", type_=sa.Integer)),
-        restore_requeued=sa.update(m)
-        .where(by_key)
-        .values(
-            last_error=sa.bindparam("error", type_=sa.Text),
-            attempt_history=_str("history", sa.Text),
-            headers=_str("headers", sa.Text),
-        ),
-        history_of=sa.select(m.c.attempt_history).where(by_key),
-        headers_of=sa.select(m.c.headers).where(by_key),
-        set_headers=sa.update(m)
-        .where(m.c.queue == _str("queue_name"), m.c.key.in_(sa.bindparam("keys", expanding=True)))
-        .values(headers=_str("headers", sa.Text)),
-    )
-
-
-def _str(name: str, type_: type[sa.types.TypeEngine[Any]] = sa.String) -> Any:
-    return sa.bindparam(name, type_=type_)

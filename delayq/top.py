@@ -25,7 +25,7 @@ from delayq.clock import to_ms
 from delayq.history import parse
 from delayq.humanize import human
 from delayq.messages import QueueStats
-from delayq.queue import DelayedQueue, claimed_at
+from delayq.queue import DelayedQueue, _views, claimed_at
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
 
@@ -99,67 +99,33 @@ class Top:
         return Snapshot(now, rows, failures)
 
     def _flow(self, conn: sa.Connection, name: str) -> tuple[float | None, float | None]:
-        m = self.tables.messages
         mark = self._marks.get(name)
         below = mark[0] if mark else 0
-        r = conn.execute(
-            sa.select(
-                sa.func.count().label("n"),
-                sa.func.max(m.c.id).label("top"),
-                sa.func.coalesce(sa.func.sum(sa.case((m.c.id <= below, 1), else_=0)), 0).label("old"),
-            ).where(m.c.queue == name)
-        ).one()
+        n, highest, old = _views.flow(conn, self.tables, name, below)
         clock = time.monotonic()
-        top = max(below, int(r.top or 0))
-        self._marks[name] = (top, int(r.n), clock)
+        top = max(below, highest or 0)
+        self._marks[name] = (top, n, clock)
         if mark is None:
             return None, None
         elapsed = max(clock - mark[2], 1e-3)
-        arrived = int(r.n) - int(r.old)
-        left = mark[1] - int(r.old)
+        arrived = n - old
+        left = mark[1] - old
         return arrived / elapsed, max(left, 0) / elapsed
 
     def _longest_runs(self, conn: sa.Connection, names: list[str], now: dt.datetime) -> dict[str, dt.timedelta]:
         """Per queue, how long its oldest in-flight claim has run. Lock tokens start with their claim's time
         (``delayq.queue.new_token``) in fixed-width hex, so the smallest such token is the oldest claim."""
-        m = self.tables.messages
-        if not names:
-            return {}
-        rows = conn.execute(
-            sa.select(m.c.queue, sa.func.min(m.c.lock_token).label("token"))
-            .where(
-                m.c.queue.in_(names),
-                m.c.lock_token.like("________-____-7%"),  # (tokens of an older delayq tell no time)
-                m.c.scheduled_at > to_ms(now),
-            )
-            .group_by(m.c.queue)
-        ).all()
         found = {}
-        for r in rows:
-            since = claimed_at(r.token)
+        for queue, token in _views.oldest_tokens(conn, self.tables, names, to_ms(now)).items():
+            since = claimed_at(token)
             if since is not None:
-                found[r.queue] = max(now - since, dt.timedelta(0))
+                found[queue] = max(now - since, dt.timedelta(0))
         return found
 
     def _failures(self, conn: sa.Connection, names: list[str]) -> list[Failure]:
-        m, dead = self.tables.messages, self.tables.dead_letters
-        if not names:
-            return []
         found: list[Failure] = []
-        live = conn.execute(
-            sa.select(m.c.queue, m.c.key, m.c.attempt_history, m.c.last_error)
-            .where(m.c.queue.in_(names), m.c.last_error.is_not(None), m.c.lock_token.is_(None))
-            .order_by(m.c.scheduled_at.desc())
-            .limit(RECENT_FAILURES)
-        ).all()
-        gone = conn.execute(
-            sa.select(dead.c.queue, dead.c.key, dead.c.attempt_history, dead.c.last_error)
-            .where(dead.c.queue.in_(names))
-            .order_by(dead.c.failed_at.desc(), dead.c.id.desc())
-            .limit(RECENT_FAILURES)
-        ).all()
-        for rows, is_dead in ((live, False), (gone, True)):
-            for r in rows:
+        for is_dead in (False, True):
+            for r in _views.recent_failures(conn, self.tables, names, dead=is_dead, limit=RECENT_FAILURES):
                 history = parse(r.attempt_history)
                 if not history:
                     continue

@@ -22,10 +22,10 @@ from click.testing import CliRunner
 from conftest import START, Backend
 from test_concurrency import run_together
 
+import delayq.cron._store
+import delayq.cron._views
 import delayq.cron.schedule
 import delayq.cron.service
-import delayq.cron.store
-import delayq.cron.views
 from delayq import CronService, DelayedQueue, Handler, ManualClock
 from delayq.cli import main
 from delayq.clock import to_ms
@@ -75,7 +75,7 @@ def skew_installer(monkeypatch: pytest.MonkeyPatch, now: Callable[[], dt.datetim
 
     monkeypatch.setattr(CronService, "_now", lambda self: now() + offset, raising=False)
     skewed = types.SimpleNamespace(**{**vars(dt), "datetime": Skewed})
-    for module in (delayq.cron.schedule, delayq.cron.store, delayq.cron.service, delayq.cron.views):
+    for module in (delayq.cron.schedule, delayq.cron._store, delayq.cron.service, delayq.cron._views):
         monkeypatch.setattr(module, "dt", skewed)
 
 

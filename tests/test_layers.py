@@ -168,3 +168,58 @@ def test_every_module_imports_on_its_own() -> None:
         [sys.executable, "-c", script, str(PACKAGE), *names], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+STATEMENT_BUILDERS = {"select", "insert", "update", "delete", "union", "union_all", "text"}
+"""SQLAlchemy's constructors of statements: ``sa.select(...)`` and the like."""
+
+SQL_HOMES = ("delayq.queue", "delayq.topics", "delayq.dialects")
+"""Where statements over delayq's tables are built (docs/internals.md, "Map")."""
+
+OWN_TABLES: dict[str, str] = {
+    "delayq.cron._store": "the schedules table is cron's own; the runs go through DelayedQueue's operations",
+    "delayq.cron._views": "the schedules table is cron's own; the runs go through delayq.queue._views",
+    "delayq.migrations": "Alembic's version table, read to tell the schema's revision",
+}
+"""Modules outside ``SQL_HOMES`` that build statements, each over a table that is not the queue's or a topic's."""
+
+
+def _statements_built(path: Path) -> list[tuple[str, int]]:
+    """The calls ``sa.<builder>(…)`` / ``sqlalchemy.<builder>(…)`` (and of a builder imported by name) in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    by_name = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "sqlalchemy"
+        for alias in node.names
+        if alias.name in STATEMENT_BUILDERS
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in STATEMENT_BUILDERS and isinstance(f.value, ast.Name):
+            if f.value.id in ("sa", "sqlalchemy"):
+                found.append((f.attr, node.lineno))
+        elif isinstance(f, ast.Name) and f.id in by_name:
+            found.append((f.id, node.lineno))
+    return found
+
+
+def test_the_sql_of_the_queue_and_topic_tables_lives_in_the_queue_topics_and_dialects_packages() -> None:
+    """Cron, browse, top, the CLI and Spark reach the queue's and the topics' rows through operations of
+    ``delayq.queue`` and ``delayq.topics``: they build no statement of their own (but over their own tables)."""
+    outside = [
+        f"{m} builds sa.{name}() (line {line})"
+        for m, path in sorted(MODULES.items())
+        if not m.startswith(SQL_HOMES) and m not in OWN_TABLES
+        for name, line in _statements_built(path)
+    ]
+    assert not outside, "statements built outside delayq/queue, delayq/topics, delayq/dialects:\n" + "\n".join(outside)
+
+
+def test_the_modules_allowed_their_own_statements_still_build_some() -> None:
+    """``OWN_TABLES`` holds no stale entry, and the check sees the statements it is about."""
+    assert all(why and _statements_built(MODULES[m]) for m, why in OWN_TABLES.items())
+    assert "select" in {name for name, _ in _statements_built(MODULES["delayq.queue._views"])}

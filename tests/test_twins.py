@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from delayq import DelayedQueue, Delivery, Handler, Subscription, Topic, Worker, browse
+from delayq import aio as aio_api
 from delayq.aio import AsyncDelayedQueue, AsyncDelivery, AsyncHandler, AsyncSubscription, AsyncTopic, AsyncWorker
 from delayq.aio import browse as aio_browse
+from delayq.errors import InvalidInputError
 
 TWINS: list[tuple[type, type]] = [
     (DelayedQueue, AsyncDelayedQueue),
@@ -39,17 +41,26 @@ NOT_AWAITED: dict[tuple[type, str], str] = {
 }
 """Twins that are plain methods although the class's other operations are coroutines, each with why."""
 
-RENAMED: dict[tuple[type, str], str] = {
-    (AsyncSubscription, "handle_exactly_once"): "the callable is handler= in the sync API and fn= in the async one; "
-    "both shipped, so renaming either breaks a caller who passes it by keyword",
+DEPRECATED_NAMES: dict[tuple[type, str], tuple[str, str, str]] = {
+    (AsyncSubscription, "handle_exactly_once"): (
+        "fn",
+        "handler",
+        "the async API called the callable fn= before it took the sync API's handler=; fn= still works, with a "
+        "DeprecationWarning, so handler= has a default of None there",
+    ),
 }
-"""Twins whose parameters differ from the sync method's, each with why; the test checks they still do."""
+"""Twins that still accept an old name of a parameter: (old name, the sync name, why). The old keyword-only
+parameter is left out of the comparison and the sync-named one is compared without its default."""
+
+ASYNC_ONLY: dict[tuple[type, str], str] = {}
+"""Public methods of an async class with no sync twin, each with why."""
 
 SAME_CONSTRUCTOR: set[type] = {DelayedQueue, Topic, Subscription}
 """Sync classes whose twin takes the same constructor parameters (the engine an ``AsyncEngine``), by name
 or through ``**options`` handed on to the sync class."""
 
 _MISSING = object()
+_SYNC_OF = {a: s for s, a in TWINS}
 
 
 def _public(cls: type) -> dict[str, Any]:
@@ -65,6 +76,17 @@ def _params(function: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
     """(name, kind, default) of each parameter: what a caller passes. Annotations differ by design (an
     ``AsyncUsing`` for a ``Using``, an ``AsyncDelivery`` for a ``Delivery``)."""
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def _compared(aio: type, name: str, twin: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    """The twin's parameters as the sync method's should read: without a deprecated old name (and with the
+    sync name's default taken from the sync method, since the twin must default it to accept the old name)."""
+    params = _params(twin)
+    if (aio, name) not in DEPRECATED_NAMES:
+        return params
+    old, new, _ = DEPRECATED_NAMES[aio, name]
+    sync_default = {p[0]: p[2] for p in _params(_function(_public(_SYNC_OF[aio])[name]))}
+    return [(n, k, sync_default[n] if n == new else d) for n, k, d in params if n != old]
 
 
 def _is_method(member: Any) -> bool:
@@ -95,7 +117,7 @@ def test_every_public_method_has_an_async_twin_with_the_same_parameters(sync: ty
         if not _is_method(twin):
             problems.append(f"{aio.__name__}.{name} is not a method")
             continue
-        if _params(_function(member)) != _params(_function(twin)) and (aio, name) not in RENAMED:
+        if _params(_function(member)) != _compared(aio, name, _function(twin)):
             problems.append(
                 f"{aio.__name__}.{name}{inspect.signature(_function(twin))} differs from "
                 f"{sync.__name__}.{name}{inspect.signature(_function(member))}"
@@ -130,7 +152,68 @@ def test_the_exceptions_are_still_true() -> None:
         assert twin is _MISSING or twin is _public(cls)[name], f"{aio.__name__}.{name} exists: drop it from SYNC_ONLY"
     for (aio, name), why in NOT_AWAITED.items():
         assert why and not _awaited(_function(_public(aio)[name])), f"{aio.__name__}.{name}"
-    sync_of = {a: s for s, a in TWINS}
-    for (aio, name), why in RENAMED.items():
-        ours, theirs = _function(_public(aio)[name]), _function(_public(sync_of[aio])[name])
-        assert why and _params(ours) != _params(theirs), f"{aio.__name__}.{name} matches now: drop it from RENAMED"
+    for (aio, name), (old, new, why) in DEPRECATED_NAMES.items():
+        names = [p[0] for p in _params(_function(_public(aio)[name]))]
+        assert why and old in names and new in names, f"{aio.__name__}.{name}: drop it from DEPRECATED_NAMES"
+    for (aio, name), why in ASYNC_ONLY.items():
+        assert why and _is_method(_public(aio).get(name)), f"{aio.__name__}.{name}"
+        assert name not in _public(_SYNC_OF[aio]), f"{aio.__name__}.{name} has a sync twin: drop it from ASYNC_ONLY"
+
+
+@pytest.mark.parametrize(("sync", "aio"), TWINS, ids=[a.__name__ for _, a in TWINS])
+def test_no_async_class_has_a_public_method_its_sync_class_lacks(sync: type, aio: type) -> None:
+    """The other direction: the async API adds no verb of its own (unless listed in ASYNC_ONLY)."""
+    extra = sorted(
+        name
+        for name, member in _public(aio).items()
+        if _is_method(member) and name not in _public(sync) and (aio, name) not in ASYNC_ONLY
+    )
+    assert extra == [], f"{aio.__name__} has public methods {sync.__name__} lacks: {extra}"
+
+
+def test_every_public_class_of_the_async_api_is_checked_against_its_twin() -> None:
+    """A class added to ``delayq.aio`` is a twin listed here, or has no sync counterpart (``AsyncUsing``)."""
+    classes = {getattr(aio_api, name) for name in aio_api.__all__ if inspect.isclass(getattr(aio_api, name))}
+    assert classes - {a for _, a in TWINS} == set()
+
+
+def test_the_old_name_of_a_renamed_parameter_still_works_and_warns() -> None:
+    """``AsyncSubscription.handle_exactly_once(fn=...)`` (no database: the argument check runs first)."""
+    import asyncio
+
+    sub = AsyncSubscription.__new__(AsyncSubscription)
+    seen: list[Any] = []
+
+    async def run(_using: Any, call: Callable[[Any], Any]) -> Any:
+        seen.append(call)
+        return "ran"
+
+    sub._run = run  # type: ignore[method-assign]
+    with pytest.warns(DeprecationWarning, match="handler="):
+        assert asyncio.run(sub.handle_exactly_once(None, fn=lambda conn: 1)) == "ran"  # type: ignore[arg-type]
+    assert asyncio.run(sub.handle_exactly_once(None, handler=lambda conn: 1)) == "ran"  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="handler= alone"):
+        asyncio.run(sub.handle_exactly_once(None, lambda c: 1, fn=lambda c: 2))  # type: ignore[arg-type]
+    assert len(seen) == 2
+
+
+def test_the_verbs_table_of_docs_internals_names_real_methods() -> None:
+    """Each ``name(`` of the queue and topic columns of docs/internals.md's "Queue and topic verbs" table is a
+    method of one of that column's classes, so the table stays true when a verb changes."""
+    import re
+    from pathlib import Path
+
+    from delayq.topics import TopicDelivery
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "internals.md").read_text()
+    table = text.split("### Queue and topic verbs", 1)[1].split("\n\n| act |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines()[2:] if not line.startswith("| the async twin")]
+    columns = {1: (DelayedQueue, Delivery), 2: (Topic, Subscription, TopicDelivery)}
+    missing = [
+        f"{name} ({'queue' if i == 1 else 'topic'} column)"
+        for row in rows
+        for i, classes in columns.items()
+        for name in re.findall(r"(?:\b[A-Z]\w+\.)?(\w+)\(", row[i])
+        if not any(callable(getattr(cls, name, None)) for cls in classes)
+    ]
+    assert rows and not missing, missing

@@ -12,6 +12,7 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
@@ -312,7 +313,28 @@ class AsyncSubscription:
         return await self._run(using, lambda u: self.sync.extend(delivery, by, using=u))
 
     async def handle_exactly_once(
-        self, delivery: TopicDelivery, fn: Callable[[Connection], T], *, using: AsyncUsing = None
+        self,
+        delivery: TopicDelivery,
+        handler: Callable[[Connection], T] | None = None,
+        *,
+        using: AsyncUsing = None,
+        fn: Callable[[Connection], T] | None = None,
     ) -> T:
-        """Run the sync ``fn(conn)`` and the fenced ack in one transaction; see ``Subscription``."""
-        return await self._run(using, lambda u: self.sync.handle_exactly_once(delivery, fn, using=u))
+        """Run the sync ``handler(conn)`` and the fenced ack in one transaction; see ``Subscription``.
+
+        ``fn=`` is the name this parameter had before it took the sync API's: still accepted, with a
+        ``DeprecationWarning``.
+        """
+        if fn is not None:
+            if handler is not None:
+                raise InvalidInputError("pass handler= alone (fn= is its deprecated name)")
+            warnings.warn(
+                "AsyncSubscription.handle_exactly_once(fn=...) is deprecated: pass handler=, as in the sync API",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            handler = fn
+        if handler is None:
+            raise InvalidInputError("handle_exactly_once needs handler, the callable run in the transaction")
+        call = handler
+        return await self._run(using, lambda u: self.sync.handle_exactly_once(delivery, call, using=u))

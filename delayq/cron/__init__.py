@@ -16,15 +16,15 @@ Missed runs coalesce: when runs were missed (no consumer, or no scheduler, for a
 only the latest overdue run of a schedule and cancels the older ones that nobody has started, so a long
 outage yields one catch-up run, not a flood.
 
-The package: ``schedule`` (what a schedule is, when it runs, its runs' keys), ``store`` (the install and
-uninstall transactions), ``service`` (``CronService``, ``ScheduleRunner``, ``schedules_for``) and ``views``
+The package: ``schedule`` (what a schedule is, when it runs, its runs' keys), ``_store`` (the install and
+uninstall transactions), ``service`` (``CronService``, ``ScheduleRunner``, ``schedules_for``) and ``_views``
 (what ``delayq cron ls`` shows).
 """
 
+from delayq.cron._store import Installed, install_schedule, uninstall
+from delayq.cron._views import schedule_views
 from delayq.cron.schedule import NAMESPACE, Schedule, parse_run_key, run_key, run_prefix
 from delayq.cron.service import CronService, ScheduleRunner, schedules_for
-from delayq.cron.store import Installed, install_schedule, uninstall
-from delayq.cron.views import schedule_views
 
 __all__ = [
     "NAMESPACE",

@@ -13,8 +13,8 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from delayq.clock import require_aware, to_ms
+from delayq.cron._store import Installed, _Store, install_schedule, uninstall
 from delayq.cron.schedule import Payload, Schedule, check_name
-from delayq.cron.store import Installed, _Store, install_schedule, uninstall
 from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue

@@ -82,7 +82,27 @@ def claim_limit(n: int) -> sa.ColumnElement[int]:
     return sa.literal_column(str(int(n)), sa.Integer)
 
 
-class Statements:
+class Memo:
+    """The one statement cache of delayq: what is built from a set of statements (a statement of one
+    backend's own, a batch size's claim, the statements of a feature) is built once, and kept on it.
+
+    A ``Statements`` or ``TopicStatements`` is itself kept on its engine's ``Dialect`` (``Dialect.cached``),
+    so everything goes when the engine goes. Two threads that build the same statement at once both
+    build it; the first kept is the one every caller gets from then on.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
+
+    def memo(self, build: Callable[..., S], *args: Any) -> S:
+        """``build(self, *args)``, made once per ``build`` and ``args`` (a batch size, say)."""
+        found = self._memo.get((build, args))
+        if found is None:
+            found = self._memo.setdefault((build, args), build(self, *args))
+        return cast(S, found)
+
+
+class Statements(Memo):
     """The shared statements over one table set, with "now" as given.
 
     ``now`` is the database's clock expression, or the bind parameter ``:now`` when the queue
@@ -90,8 +110,8 @@ class Statements:
     """
 
     def __init__(self, dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], notify: bool) -> None:
+        super().__init__()
         m, dead = tables.messages, tables.dead_letters
-        self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         self.tables = tables
         self.now = now
@@ -210,14 +230,6 @@ class Statements:
         """See ``Dialect.starts_with``."""
         return self.kind.starts_with(column, name)
 
-    def memo(self, build: Callable[..., S], *args: Any) -> S:
-        """``build(self, *args)``, made once: a statement of one backend's own over these tables
-        (``args``: a batch size, say)."""
-        found = self._memo.get((build, args))
-        if found is None:
-            found = self._memo[build, args] = build(self, *args)
-        return cast(S, found)
-
 
 class Dialect:
     """A backend as delayq sees it. Subclasses override what differs; see each override's note."""
@@ -249,7 +261,7 @@ class Dialect:
     def __init__(self, sa_dialect: sa.Dialect) -> None:
         self.sa_dialect = sa_dialect
         self._verified = False
-        self._statements: dict[tuple[Tables, bool, bool], Statements] = {}
+        self._cached: dict[tuple[Any, ...], Any] = {}
 
     # -- capabilities ---------------------------------------------------------------------------
     def verify(self) -> None:
@@ -271,16 +283,21 @@ class Dialect:
         raise NotImplementedError
 
     def statements(self, tables: Tables, manual_clock: bool, notify: bool = False) -> Statements:
-        """The shared statements, built once per table set, clock mode and wake-up mode.
+        """The queue's shared statements, built once per table set, clock mode and wake-up mode."""
 
-        Kept on this object (one per engine), so they go when the engine goes.
-        """
-        found = self._statements.get((tables, manual_clock, notify))
-        if found is None:
+        def build() -> Statements:
             now = _bp("now") if manual_clock else self.now_ms()
-            found = Statements(self, tables, now, notify and self.can_notify)
-            self._statements[tables, manual_clock, notify] = found
-        return found
+            return Statements(self, tables, now, notify and self.can_notify)
+
+        return self.cached(("queue", tables, manual_clock, notify), build)
+
+    def cached(self, key: tuple[Any, ...], build: Callable[[], S]) -> S:
+        """``build()``, made once per ``key`` for this engine: a set of statements (the queue's, a topic
+        table set's), kept on this object (one per engine) so they go when the engine goes."""
+        found = self._cached.get(key)
+        if found is None:
+            found = self._cached.setdefault(key, build())
+        return cast(S, found)
 
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
         """``column IN`` the list of ids bound as ``:ids``."""

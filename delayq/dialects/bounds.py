@@ -41,12 +41,6 @@ OWN_CHECKOUT: contextvars.ContextVar[bool] = contextvars.ContextVar("delayq_own_
 application's checkouts, which must find the session as the application left it)."""
 
 
-def shut_down(dbapi_connection: Any) -> bool:
-    """Shut the connection's socket down under the driver (a blocked read then fails); False without one."""
-    found = socket_of(dbapi_connection)
-    return found is not None and shut_down_socket(*found)
-
-
 def socket_of(dbapi_connection: Any) -> tuple[int, int] | None:
     """The connection's socket as (file descriptor, inode), read while the connection is idle
     (mysqlclient answers ``fileno()`` only then); None without one."""

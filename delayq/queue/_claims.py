@@ -19,6 +19,7 @@ from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchE
 from delayq.messages import Delivery
 from delayq.queue._base import _QueueBase
 from delayq.queue._checks import check_key
+from delayq.queue._history import statements as history_sql
 from delayq.queue._lost import _lost_locks
 from delayq.queue._tokens import new_token
 from delayq.transactions import Using
@@ -218,7 +219,7 @@ class _Claims(_QueueBase):
         failure = history.Failure.capture(error, exception)
 
         def op(conn: Connection, dialect: Dialect) -> bool:
-            hs = self._statements(dialect).memo(history.statements)
+            hs = self._statements(dialect).memo(history_sql)
             row = conn.execute(hs.select_held, params).first()
             if row is None:
                 return False
@@ -267,7 +268,7 @@ class _Claims(_QueueBase):
 
         def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
-            hs = stmts.memo(history.statements)
+            hs = stmts.memo(history_sql)
             moved = 0
             for msg_id, token, error in held:
                 params = {"msg_id": msg_id, "token": token, **self._now_param()}
@@ -358,7 +359,7 @@ class _Claims(_QueueBase):
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
         def op(conn: Connection, dialect: Dialect) -> tuple[history.AttemptRecord, ...]:
-            stored = conn.execute(self._statements(dialect).memo(history.statements).history_of, params)
+            stored = conn.execute(self._statements(dialect).memo(history_sql).history_of, params)
             return history.parse(stored.scalar())
 
         return self._runner.run(using, op, "read")
@@ -368,7 +369,7 @@ class _Claims(_QueueBase):
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
         def op(conn: Connection, dialect: Dialect) -> dict[str, str]:
-            stored = conn.execute(self._statements(dialect).memo(history.statements).headers_of, params)
+            stored = conn.execute(self._statements(dialect).memo(history_sql).headers_of, params)
             return history.load_headers(stored.scalar())
 
         return self._runner.run(using, op, "read")

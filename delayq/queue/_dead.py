@@ -14,6 +14,7 @@ from delayq.errors import InvalidInputError
 from delayq.messages import DeadMessage
 from delayq.queue._base import _QueueBase
 from delayq.queue._checks import check_key, check_prefix
+from delayq.queue._history import statements as history_sql
 from delayq.transactions import Using
 
 
@@ -25,7 +26,7 @@ class _DeadLetters(_QueueBase):
         params = {"queue_name": self.name, "limit": limit, "after_id": after_id}
 
         def op(conn: Connection, dialect: Dialect) -> list[DeadMessage]:
-            rows = conn.execute(self._statements(dialect).memo(history.statements).dead_letters, params).all()
+            rows = conn.execute(self._statements(dialect).memo(history_sql).dead_letters, params).all()
             return [
                 DeadMessage(
                     id=r.id,
@@ -54,14 +55,14 @@ class _DeadLetters(_QueueBase):
 
         def op(conn: Connection, dialect: Dialect) -> bool:
             stmts = self._statements(dialect)
-            row = conn.execute(stmts.memo(history.statements).dead_latest, params).first()
+            row = conn.execute(stmts.memo(history_sql).dead_latest, params).first()
             if row is None or not dialect.insert_if_absent(
                 conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
             ):
                 return False
             if row.last_error is not None or row.attempt_history is not None or row.headers is not None:
                 restore = {**params, "error": row.last_error, "history": row.attempt_history, "headers": row.headers}
-                conn.execute(stmts.memo(history.statements).restore_requeued, restore)
+                conn.execute(stmts.memo(history_sql).restore_requeued, restore)
             conn.execute(stmts.dead_delete, {"dead_id": row.id})
             return True
 

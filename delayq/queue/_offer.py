@@ -13,6 +13,7 @@ from delayq.dialects.base import NewRow
 from delayq.messages import OfferOutcome
 from delayq.queue._base import _QueueBase
 from delayq.queue._checks import At, _due, check_key
+from delayq.queue._history import statements as history_sql
 from delayq.serializers import encode
 from delayq.transactions import Using
 
@@ -68,7 +69,7 @@ class _Offers(_QueueBase):
 
     def _store_headers(self, conn: Connection, dialect: Dialect, keys: list[str], headers: dict[str, str]) -> None:
         """Keep ``headers`` with the messages just offered under ``keys``."""
-        stmt = self._statements(dialect).memo(history.statements).set_headers
+        stmt = self._statements(dialect).memo(history_sql).set_headers
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
     def _offer_prepared(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy.engine import Connection
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Row
 
 from delayq import history
 from delayq.clock import from_ms, to_ms
-from delayq.dialects import Dialect
+from delayq.dialects import Dialect, Statements, dialect_for
 from delayq.dialects.base import (
     cancel_prefix_keeping_statement,
     cancel_prefix_statement,
@@ -18,6 +21,7 @@ from delayq.dialects.base import (
 from delayq.messages import Message, QueueStats
 from delayq.queue._base import _QueueBase
 from delayq.queue._checks import At, _due, check_key, check_prefix
+from delayq.queue._history import statements as history_sql
 from delayq.transactions import Using
 
 
@@ -29,7 +33,7 @@ class _Queued(_QueueBase):
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
         def op(conn: Connection, dialect: Dialect) -> Message | None:
-            row = conn.execute(self._statements(dialect).memo(history.statements).get, params).first()
+            row = conn.execute(self._statements(dialect).memo(history_sql).get, params).first()
             if row is None:
                 return None
             return Message(
@@ -123,3 +127,47 @@ class _Queued(_QueueBase):
             return int(conn.execute(older_stmt, {**params, "latest": latest}).rowcount)
 
         return self._runner.run(using, op, "transaction")
+
+    # -- for cron's install and uninstall, in the caller's transaction -----------------------------
+    def _now_in(self, conn: Connection) -> int:
+        """Now, read in ``conn``'s transaction: the queue's clock if it has one, else the database's."""
+        return self._now_ms(conn, self._statements(dialect_for(self.engine)))
+
+    def _existing_keys(self, conn: Connection, keys: list[str]) -> set[str]:
+        """Which of ``keys`` this queue holds a live message under."""
+        stmt = self._statements(dialect_for(self.engine)).existing_keys
+        return set(conn.execute(stmt, {"queue_name": self.name, "keys": keys}).scalars())
+
+    def _offer_encoded(self, conn: Connection, key: str, due_ms: int, payload: bytes, now_ms: int) -> bool:
+        """Insert an encoded payload under ``key``, due at ``due_ms``, unless the key exists; True when created.
+        ``now_ms`` is the transaction's now (``_now_in``), used on an injected clock."""
+        dialect = dialect_for(self.engine)
+        row = {
+            "queue_name": self.name,
+            "msg_key": key,
+            "payload": payload,
+            "payload_type": self.serializer.type_tag,
+            "due_at": due_ms,
+            "due_in": None,
+            **({"now": now_ms} if self.clock is not None else {}),
+        }
+        return dialect.insert_if_absent(conn, self._statements(dialect), row)
+
+    def _keys_between(self, conn: Connection, lo: str, hi: str) -> Sequence[Row[Any]]:
+        """The live messages whose key is at least ``lo`` and below ``hi`` (byte for byte): id, key,
+        lock_token, attempts."""
+        stmt = self._statements(dialect_for(self.engine)).memo(_keys_between)
+        return conn.execute(stmt, {"queue_name": self.name, "range_lo": lo, "range_hi": hi}).all()
+
+    def _delete_ids(self, conn: Connection, ids: list[int]) -> int:
+        """Delete this queue's live messages by id (``_keys_between``'s); how many."""
+        if not ids:
+            return 0
+        return int(conn.execute(self._statements(dialect_for(self.engine)).delete_ids, {"ids": ids}).rowcount)
+
+
+def _keys_between(stmts: Statements) -> sa.Select[Any]:
+    m = stmts.tables.messages
+    return sa.select(m.c.id, m.c.key, m.c.lock_token, m.c.attempts).where(
+        m.c.queue == sa.bindparam("queue_name", type_=sa.String), stmts.starts_with(m.c.key, "range")
+    )

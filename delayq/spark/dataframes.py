@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
 from pyspark import TaskContext
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -25,7 +24,7 @@ from delayq.clock import duration_ms, from_ms
 from delayq.engines import create_engine
 from delayq.errors import InvalidInputError, InvalidKeyError, InvalidTimeError
 from delayq.messages import OfferOutcome
-from delayq.queue import DelayedQueue, check_queue_name
+from delayq.queue import DelayedQueue, _views, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, MAX_KEY_LENGTH, make_tables
 from delayq.spark.options import JSON_TEXT, check_url, reaching
 from delayq.spark.write import decoded_json, is_json_text
@@ -239,17 +238,13 @@ def read_messages(
     check_url(url)
     if queue is not None:
         check_queue_name(queue)
-    table = make_tables(table_prefix).dead_letters if dead else make_tables(table_prefix).messages
     engine = create_engine(url)
     try:
         with reaching(url), engine.connect() as conn:
-            query = sa.select(sa.func.min(table.c.id), sa.func.max(table.c.id))
-            if queue is not None:
-                query = query.where(table.c.queue == queue)
-            low, high = conn.execute(query).one()
+            low, high, _ = _views.scan_span(conn, make_tables(table_prefix), dead=dead, queue=queue)
     finally:
         engine.dispose()
-    if low is None:
+    if low is None or high is None:
         return spark.createDataFrame([], MESSAGE_SCHEMA)
     slices = partitions or spark.sparkContext.defaultParallelism
     step = max(1, (high - low + slices) // slices)
@@ -262,11 +257,7 @@ def read_messages(
 def _read_range(
     bounds: tuple[int, int], url: str, queue: str | None, table_prefix: str, dead: bool
 ) -> Iterator[tuple[Any, ...]]:
-    tables = make_tables(table_prefix)
-    t = tables.dead_letters if dead else tables.messages
-    query = sa.select(t).where(t.c.id.between(*bounds)).order_by(t.c.id)
-    if queue is not None:
-        query = query.where(t.c.queue == queue)
+    query = _views.scan_rows(make_tables(table_prefix), dead=dead, queue=queue, low=bounds[0], high=bounds[1])
     engine = create_engine(url)
     try:
         with engine.connect() as conn:

@@ -39,7 +39,10 @@ from pyspark.sql.datasource import (
 
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
+from delayq.queue import _views
 from delayq.spark.options import JSON_TEXT, SourceOptions, reaching
+from delayq.topics import _scans
+from delayq.topics.statements import TopicStatements, statements_for
 
 STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
@@ -247,7 +250,7 @@ class DelayqReader(DataSourceReader):
         engine = self.opts.engine()
         try:
             with engine.connect() as conn:
-                now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
+                now = _views.database_now_ms(conn)
                 if self.opts.topic is not None:
                     return self._log_partitions(conn)
                 return self._queue_partitions(conn, now)
@@ -255,21 +258,18 @@ class DelayqReader(DataSourceReader):
             engine.dispose()
 
     def _queue_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
-        t = self._table()
-        where = [t.c.queue == self.opts.queue, *(condition(t, p, now) for p in self.pushed)]
+        t, tables, dead, queue = self._table(), self.opts.tables(), self.opts.dead, self.opts.queue
+        where = [condition(t, p, now) for p in self.pushed]
         pushed = tuple(self.pushed)
-        low, high, rows = conn.execute(
-            sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(*where)
-        ).one()
-        if not rows:
+        low, high, rows = _views.scan_span(conn, tables, dead=dead, queue=queue, where=where)
+        if not rows or low is None or high is None:
             return [DelayqPartition(QueueSlice(None, None, 0), pushed)]  # (rows offered later are read too)
         slices = max(1, min(self.opts.partitions or 4, rows))
         step = max(1, -(-(high - low + 1) // slices))
         bounds = [(start, min(high, start + step - 1)) for start in range(low, high + 1, step)]
         # Each slice's own count (a query per slice, at most ``partitions``): the plan shows what each reads.
         per = [
-            int(conn.execute(sa.select(sa.func.count()).where(*where, t.c.id.between(lo, hi))).scalar_one())
-            for lo, hi in bounds
+            _views.scan_span(conn, tables, dead=dead, queue=queue, where=where, low=lo, high=hi)[2] for lo, hi in bounds
         ]
         kept = [(lo, hi, n) for (lo, hi), n in zip(bounds, per, strict=True) if n]
         # Open at both ends: ids below the first or above the last, there by the time a task runs, are read.
@@ -291,13 +291,10 @@ class DelayqReader(DataSourceReader):
         pushed = tuple(self.pushed)
         if not parts:
             return [DelayqPartition(LogSlice((), 0), pushed)]
-        log = self._table()
-        counted = conn.execute(  # rows, not head minus collected: a dead-letter topic has gaps
-            sa.select(log.c.partition, sa.func.count())
-            .where(log.c.topic == self.opts.topic, log.c.partition.in_(parts))
-            .group_by(log.c.partition)
+        # rows, not head minus collected: a dead-letter topic has gaps
+        rows = _scans.rows_per_partition(
+            conn, _topic_statements(conn, self.opts), self.opts.topic, dict.fromkeys(parts)
         )
-        rows = {int(p): int(n) for p, n in counted}
         slices = max(1, min(self.opts.partitions or 4, len(parts)))
         groups = [tuple(parts[i::slices]) for i in range(slices)]
         return [DelayqPartition(LogSlice(g, sum(rows.get(p, 0) for p in g)), pushed) for g in groups if g]
@@ -317,17 +314,17 @@ class DelayqReader(DataSourceReader):
         engine = self.opts.engine()
         try:
             with engine.connect() as conn:
-                now = int(conn.execute(sa.select(dialect_for(engine).now_ms())).scalar_one())
+                now = _views.database_now_ms(conn)
                 filters = [condition(t, p, now) for p in partition.pushed]
                 if isinstance(part, QueueSlice):
-                    ids = [
-                        *([] if part.low is None else [t.c.id >= part.low]),
-                        *([] if part.high is None else [t.c.id <= part.high]),
-                    ]
-                    query = (
-                        sa.select(*stored_columns(t, schema))
-                        .where(t.c.queue == self.opts.queue, *ids, *filters)
-                        .order_by(t.c.id)
+                    query = _views.scan_rows(
+                        self.opts.tables(),
+                        dead=self.opts.dead,
+                        queue=self.opts.queue,
+                        names=stored_column_names(schema),
+                        where=filters,
+                        low=part.low,
+                        high=part.high,
                     )
                     with fetch(conn, query) as chunks:
                         yield from arrow_batches(chunks, schema, now)
@@ -338,7 +335,7 @@ class DelayqReader(DataSourceReader):
                 heads = read_heads(conn, self.opts)
                 for p in part.partitions:
                     head, collected = heads[p]
-                    query = log_query(t, self.opts.topic, p, collected, head).where(*filters)
+                    query = log_query(_topic_statements(conn, self.opts), self.opts.topic, p, collected, head, filters)
                     with fetch(conn, query) as chunks:
                         yield from arrow_batches(chunks, schema)
         finally:
@@ -365,13 +362,15 @@ def read_heads(conn: sa.Connection, opts: SourceOptions) -> dict[int, tuple[int,
     (publishers insert the rows and move the head in one transaction, under the head row's lock): the
     offsets up to it are complete and never change, so reading up to it never skips a late commit.
     """
-    topics = opts.tables().topics
-    found = conn.execute(sa.select(topics.topics.c.partitions).where(topics.topics.c.topic == opts.topic)).scalar()
+    assert opts.topic is not None
+    found = _scans.heads(conn, _topic_statements(conn, opts), opts.topic)
     if found is None:
         raise InvalidInputError(f"topic {opts.topic!r} does not exist: create it first (Topic.create(partitions=N))")
-    h = topics.heads
-    rows = conn.execute(sa.select(h.c.partition, h.c.head, h.c.collected).where(h.c.topic == opts.topic))
-    return {int(r.partition): (int(r.head), int(r.collected)) for r in rows}
+    return found
+
+
+def _topic_statements(bind: sa.Engine | sa.Connection, opts: SourceOptions) -> TopicStatements:
+    return statements_for(dialect_for(bind.engine), opts.table_prefix, opts.schema, False)
 
 
 def check_tables(opts: SourceOptions) -> None:
@@ -405,23 +404,21 @@ def stored_names(schema: T.StructType) -> list[str]:
     return [*names, "lock_token"] if "state" in schema.fieldNames() else names
 
 
-def stored_columns(table: sa.Table, schema: T.StructType) -> list[sa.ColumnElement[Any]]:
+def stored_column_names(schema: T.StructType) -> list[str]:
     """The table's columns behind ``schema``, in ``stored_names``' order."""
-    return [table.c[_COLUMN.get(n, n)] for n in stored_names(schema)]
+    return [_COLUMN.get(n, n) for n in stored_names(schema)]
 
 
-def log_query(log: sa.Table, topic: str, partition: int, after: int, upto: int) -> sa.Select[Any]:
+def log_query(
+    stmts: TopicStatements,
+    topic: str,
+    partition: int,
+    after: int,
+    upto: int,
+    where: Sequence[sa.ColumnElement[bool]] = (),
+) -> sa.Select[Any]:
     """A topic partition's rows with offsets in ``(after, upto]``, oldest first, as ``LOG_SCHEMA`` stores them."""
-    return (
-        sa.select(*stored_columns(log, LOG_SCHEMA))
-        .where(
-            log.c.topic == topic,
-            log.c.partition == partition,
-            log.c.message_offset > after,
-            log.c.message_offset <= upto,
-        )
-        .order_by(log.c.message_offset)
-    )
+    return _scans.log_rows(stmts, stored_column_names(LOG_SCHEMA), topic, partition, after, upto, where)
 
 
 @contextlib.contextmanager
@@ -437,7 +434,7 @@ def fetch(conn: sa.Connection, query: sa.Select[Any]) -> Iterator[Iterator[Seque
 def arrow_batches(
     chunks: Iterable[Sequence[Sequence[Any]]], schema: T.StructType, now: int | None = None
 ) -> Iterator[Any]:
-    """Lists of rows (``stored_columns(…, schema)``) as Arrow record batches of ``schema``, which Spark takes
+    """Lists of rows (``stored_column_names(schema)``) as Arrow record batches of ``schema``, which Spark takes
     several times faster than tuples. Each column is converted once, as a whole (``zip(*rows)``, then one
     Arrow array of its type); ``payload_json`` and ``state`` (as of ``now``) are computed from other columns.
     Times are the database's epoch milliseconds; one that Python's datetime cannot hold reads as its earliest

@@ -32,6 +32,7 @@ from delayq.engines import create_engine
 from delayq.errors import DelayqError
 from delayq.spark.options import SourceOptions
 from delayq.spark.read import LOG_SCHEMA, arrow_batches, fetch, log_query, read_heads, stored_names
+from delayq.topics import _scans
 from delayq.topics.names import DLQ_SUFFIX
 from delayq.topics.statements import TopicStatements, statements_for
 
@@ -76,30 +77,11 @@ def plan_limit(start: Offsets, heads: Offsets, max_rows: int, rows: Offsets | No
 def ends_after(conn: sa.Connection, opts: SourceOptions, start: Offsets, heads: Offsets, max_rows: int) -> Offsets:
     """``plan_limit`` where offsets have gaps: the rows each partition holds after its start are counted,
     and a partition that takes ``k`` of them ends at the offset of its ``k``-th."""
-    log = opts.tables().topics.log
-    busy = [p for p in heads if heads[p] > start.get(p, 0)]
-    counted = (
-        conn.execute(
-            sa.select(log.c.partition, sa.func.count())
-            .where(
-                log.c.topic == opts.topic,
-                sa.or_(
-                    *(
-                        sa.and_(
-                            log.c.partition == int(p),
-                            log.c.message_offset > start.get(p, 0),
-                            log.c.message_offset <= heads[p],
-                        )
-                        for p in busy
-                    )
-                ),
-            )
-            .group_by(log.c.partition)
-        ).all()
-        if busy
-        else []
-    )
-    rows = {str(p): int(n) for p, n in counted}
+    assert opts.topic is not None
+    stmts = _statements(conn, opts)
+    busy = {int(p): (start.get(p, 0), heads[p]) for p in heads if heads[p] > start.get(p, 0)}
+    counted = _scans.rows_per_partition(conn, stmts, opts.topic, busy)
+    rows = {str(p): n for p, n in counted.items()}
     taken = plan_limit(start, heads, max_rows, {p: rows.get(p, 0) for p in heads})
     end = {p: start.get(p, 0) for p in heads}
     for p, k in taken.items():
@@ -108,16 +90,12 @@ def ends_after(conn: sa.Connection, opts: SourceOptions, start: Offsets, heads: 
         if k == rows[p]:
             end[p] = heads[p]  # (past any gap at the end)
             continue
-        end[p] = int(
-            conn.execute(
-                sa.select(log.c.message_offset)
-                .where(log.c.topic == opts.topic, log.c.partition == int(p), log.c.message_offset > start.get(p, 0))
-                .order_by(log.c.message_offset)
-                .limit(1)
-                .offset(k - 1)
-            ).scalar_one()
-        )
+        end[p] = _scans.kth_offset(conn, stmts, opts.topic, int(p), start.get(p, 0), k)
     return end
+
+
+def _statements(bind: sa.Engine | sa.Connection, opts: SourceOptions) -> TopicStatements:
+    return statements_for(dialect_for(bind.engine), opts.table_prefix, opts.schema, False)
 
 
 class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -164,17 +142,13 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 stmts.create_offset, [{**g, "part": int(p), "acked": v, "now_v": now} for p, v in start.items()]
             )
             if self.opts.starting_offsets == "group":
-                off = self.opts.tables().topics.offsets
-                rows = conn.execute(
-                    sa.select(off.c.partition, off.c.acked_offset).where(
-                        off.c.consumer_group == self.opts.group, off.c.topic == self.opts.topic
-                    )
-                )
-                start |= {str(r.partition): int(r.acked_offset) for r in rows if str(r.partition) in start}
+                assert self.opts.topic is not None
+                acked = _scans.group_offsets(conn, stmts, self.opts.group, self.opts.topic)
+                start |= {str(p): v for p, v in acked.items() if str(p) in start}
         return start
 
     def _stmts(self, conn: sa.Connection) -> TopicStatements:
-        return statements_for(dialect_for(conn.engine), self.opts.table_prefix, self.opts.schema, False)
+        return _statements(conn, self.opts)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_rows_per_trigger is None:
@@ -210,9 +184,9 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         part, after, upto = partition.value
         assert self.opts.topic is not None
-        query = log_query(self.opts.tables().topics.log, self.opts.topic, part, after, upto)
         engine = self.opts.engine()
         try:
+            query = log_query(_statements(engine, self.opts), self.opts.topic, part, after, upto)
             with engine.connect() as conn, fetch(conn, query) as chunks:
                 yield from arrow_batches(self._contiguous(conn, chunks, part, after, upto), LOG_SCHEMA)
         finally:
@@ -237,11 +211,8 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             missing = expected
         if missing is None:
             return
-        h = self.opts.tables().topics.heads
-        collected = conn.execute(
-            sa.select(h.c.collected).where(h.c.topic == self.opts.topic, h.c.partition == part)
-        ).scalar_one()
-        if missing <= int(collected):
+        assert self.opts.topic is not None
+        if missing <= _scans.collected(conn, _statements(conn, self.opts), self.opts.topic, part):
             raise CollectedError(self._collected_message(missing, upto, part))
 
     def _collected_message(self, missing: int, upto: int, part: int) -> str:
@@ -269,18 +240,9 @@ class TopicStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             conn.execute(
                 stmts.create_offset, [{**key, "part": int(p), "acked": v, "now_v": now} for p, v in end.items()]
             )
-            off = self.opts.tables().topics.offsets
-            for p, upto in end.items():
-                conn.execute(
-                    sa.update(off)
-                    .where(
-                        off.c.consumer_group == self.opts.group,
-                        off.c.topic == self.opts.topic,
-                        off.c.partition == int(p),
-                        off.c.acked_offset < upto,
-                    )
-                    .values(acked_offset=upto, updated_at=now)
-                )
+            assert self.opts.topic is not None
+            ends = {int(p): upto for p, upto in end.items()}
+            _scans.raise_offsets(conn, stmts, self.opts.group, self.opts.topic, ends, now)
             # Delivery states behind the watermarks are never read again (a requeue's, say): forget them.
             conn.execute(stmts.forget_passed_states, key)
         self._committed = dict(end)

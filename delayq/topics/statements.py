@@ -9,15 +9,14 @@ row locks (``Dialect.row_locks``, see ``_locking``).
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
+from delayq.dialects.base import Memo
 from delayq.schema import TopicTables, make_tables
 from delayq.topics import _backends
 from delayq.topics._status import ACKED as ACKED
@@ -58,7 +57,7 @@ def _locking(
     return sa.update(table).where(where).values({touch.name: touch}).returning(*columns)
 
 
-class TopicStatements:
+class TopicStatements(Memo):
     """The statements over one set of topic tables."""
 
     def __init__(self, dialect: Dialect, t: TopicTables, now: sa.ColumnElement[int]) -> None:
@@ -66,7 +65,7 @@ class TopicStatements:
         log, heads, dl, le, off, sub = t.log, t.heads, t.deliveries, t.leases, t.offsets, t.subscribers
         self.tables = t
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
-        self._memo: dict[tuple[Callable[..., Any], tuple[Any, ...]], Any] = {}
+        super().__init__()
         self.now = sa.select(now.label("now"))
 
         # -- topics and publishing --------------------------------------------------------------
@@ -356,29 +355,12 @@ class TopicStatements:
         """See ``_backends.ack``."""
         return _backends.ack(conn, self, key, pairs)
 
-    def memo(self, build: Callable[..., S], *args: Any) -> S:
-        """``build(self, *args)``, made once: a statement of one backend's own over these tables
-        (``args``: a batch size, say)."""
-        found = self._memo.get((build, args))
-        if found is None:
-            found = self._memo[build, args] = build(self, *args)
-        return cast(S, found)
-
-
-_cache: weakref.WeakKeyDictionary[Dialect, dict[tuple[str, str | None, bool], TopicStatements]] = (
-    weakref.WeakKeyDictionary()
-)
-_lock = threading.Lock()
-
 
 def statements_for(dialect: Dialect, prefix: str, schema: str | None, manual_clock: bool) -> TopicStatements:
     """The statements for this engine's dialect, made once per table set and clock mode (they go with it)."""
-    with _lock:
-        mine = _cache.setdefault(dialect, {})
-        found = mine.get((prefix, schema, manual_clock))
-        if found is None:
-            now = _bp("now") if manual_clock else dialect.now_ms()
-            found = mine[prefix, schema, manual_clock] = TopicStatements(
-                dialect, make_tables(prefix, schema).topics, now
-            )
-        return found
+
+    def build() -> TopicStatements:
+        now = _bp("now") if manual_clock else dialect.now_ms()
+        return TopicStatements(dialect, make_tables(prefix, schema).topics, now)
+
+    return dialect.cached(("topics", prefix, schema, manual_clock), build)

@@ -25,7 +25,7 @@ from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError, SerializationMismatchError
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer
-from delayq.topics.context import TopicContext
+from delayq.topics._context import TopicContext
 from delayq.topics.dead_letters import bury
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
 from delayq.topics.names import (

@@ -15,10 +15,10 @@ from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer, encode
+from delayq.topics._context import TopicContext
 from delayq.topics._log import append as append
 from delayq.topics._log import append_offsets as append_offsets
 from delayq.topics._log import ensure_topic as ensure_topic
-from delayq.topics.context import TopicContext
 from delayq.topics.dead_letters import CHUNK, Selection, TopicDeadLetter, dead_offsets, list_dead, purge, requeue
 from delayq.topics.names import (
     check_group,

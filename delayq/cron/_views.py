@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 
 from delayq.clock import from_ms, to_ms
 from delayq.cron.schedule import Schedule, namespace_bounds, parse_run_key, run_key_ms, run_prefix
-from delayq.dialects import dialect_for
+from delayq.queue import _views
 from delayq.schema import Tables
 
 
@@ -21,19 +21,13 @@ def schedule_views(
     """Every recorded schedule (of ``queue``, or all), as ``delayq cron ls`` shows it, judged at ``now``
     (the database's time by default): definition, next runs (future ones only), last run and its state,
     who refreshed it when, and ``stalled`` when nobody did for longer than its look-ahead window."""
-    s, m, dead = tables.schedules, tables.messages, tables.dead_letters
-    dialect = dialect_for(engine)
-    now_ms = to_ms(now) if now is not None else int(conn.execute(sa.select(dialect.now_ms())).scalar_one())
+    s = tables.schedules
+    now_ms = to_ms(now) if now is not None else _views.database_now_ms(conn)
     records = sa.select(s).order_by(s.c.queue, s.c.name)
-    bounds = namespace_bounds()
-    runs_stmt = sa.select(m.c.queue, m.c.key, m.c.scheduled_at, m.c.lock_token, m.c.attempts).where(
-        dialect.starts_with(m.c.key)
-    )
     if queue is not None:
         records = records.where(s.c.queue == queue)
-        runs_stmt = runs_stmt.where(m.c.queue == queue)
     runs: dict[tuple[str, str], dict[int, Any]] = {}
-    for row in conn.execute(runs_stmt, bounds):
+    for row in _views.rows_under(conn, tables, namespace_bounds(), queue):
         parsed = parse_run_key(row.key)
         if parsed is not None:
             runs.setdefault((row.queue, run_prefix(parsed[0], parsed[1])), {})[parsed[2]] = row
@@ -51,10 +45,7 @@ def schedule_views(
             key = run_key_ms(record.name, record.config_hash, due)
             run = mine.get(due)
             if run is None:
-                found = conn.execute(
-                    sa.select(sa.func.count()).where(dead.c.queue == record.queue, dead.c.key == key)
-                ).scalar_one()
-                state = "dead" if found else "done"
+                state = "dead" if _views.dead_count(conn, tables, record.queue, key) else "done"
             elif run.lock_token is not None and run.scheduled_at > now_ms:
                 state = "in flight"
             else:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from delayq.clock import from_ms, to_ms
 from delayq.cron.schedule import LEGACY_KEY, Schedule, check_name, run_key_ms, run_prefix, schedule_prefix
-from delayq.dialects import Dialect, Statements, dialect_for
+from delayq.dialects import Statements, dialect_for
 from delayq.messages import OfferOutcome
 from delayq.queue import DelayedQueue
 from delayq.schema import Tables
@@ -99,19 +99,19 @@ def uninstall(queue: DelayedQueue, name: str, config_hash: str | None = None) ->
 
 
 class _Store:
-    """The statements of one install or uninstall, on the caller's connection."""
+    """One install or uninstall, on the caller's connection: the schedule's record (cron's own table, its
+    statements here) and its runs (the queue's messages, through the queue's operations)."""
 
     def __init__(self, queue: DelayedQueue, conn: Connection) -> None:
         self.queue = queue
         self.conn = conn
-        self.dialect: Dialect = dialect_for(queue.engine)
-        self.stmts: Statements = self.dialect.statements(queue.tables, queue.clock is not None, queue.notify)
+        self.stmts: Statements = dialect_for(queue.engine).statements(
+            queue.tables, queue.clock is not None, queue.notify
+        )
 
     def now_ms(self) -> int:
         """Now, read in this transaction: the queue's clock if it has one, else the database's."""
-        if self.queue.clock is not None:
-            return to_ms(self.queue.clock.now())
-        return int(self.conn.execute(self.stmts.now_select).scalar_one())
+        return self.queue._now_in(self.conn)
 
     def lock_record(self, name: str) -> Any:
         return self.conn.execute(self.stmts.memo(_record_for_update), self._keyed(name)).first()
@@ -147,22 +147,12 @@ class _Store:
         if not keys:
             return []
         floor = max(now_ms, floor_ms if floor_ms is not None else now_ms)
-        params = {"queue_name": self.queue.name, "keys": keys}
-        existing = set(self.conn.execute(self.stmts.existing_keys, params).scalars())
+        existing = self.queue._existing_keys(self.conn, keys)
         outcomes = []
         for key, (due, payload) in zip(keys, runs, strict=True):
-            created = False
-            if key not in existing and due > floor:
-                row = {
-                    "queue_name": self.queue.name,
-                    "msg_key": key,
-                    "payload": payload,
-                    "payload_type": self.queue.serializer.type_tag,
-                    "due_at": due,
-                    "due_in": None,
-                    **self._now_param(now_ms),
-                }
-                created = self.dialect.insert_if_absent(self.conn, self.stmts, row)
+            created = (
+                key not in existing and due > floor and self.queue._offer_encoded(self.conn, key, due, payload, now_ms)
+            )
             outcomes.append(OfferOutcome.CREATED if created else OfferOutcome.IGNORED)
         return outcomes
 
@@ -173,30 +163,19 @@ class _Store:
         With ``now_ms``, only those due after it that nobody has started (an install re-creates them
         in the new shape); the others are consumed as they are.
         """
-        m = self.queue.tables.messages
-        params = {"queue_name": self.queue.name, **_legacy_bounds(name)}
         ids = []
-        for row in self.conn.execute(self.stmts.memo(_legacy_candidates), params):
+        # A legacy run's key continues "{name}/" with a hex digit: "{name}/0" <= key < "{name}/g".
+        for row in self.queue._keys_between(self.conn, f"{name}/0", f"{name}/g"):
             match = LEGACY_KEY.fullmatch(row.key)
             if match is None or match["name"] != name or (config is not None and match["config"] != config):
                 continue
             if now_ms is not None and not (int(match["due"]) > now_ms and row.lock_token is None and row.attempts == 0):
                 continue
             ids.append(row.id)
-        if not ids:
-            return 0
-        return int(self.conn.execute(sa.delete(m).where(m.c.id.in_(ids))).rowcount)
+        return self.queue._delete_ids(self.conn, ids)
 
     def _keyed(self, name: str) -> dict[str, Any]:
         return {"queue_name": self.queue.name, "schedule_name": name}
-
-    def _now_param(self, now_ms: int) -> dict[str, int]:
-        return {"now": now_ms} if self.queue.clock is not None else {}
-
-
-def _legacy_bounds(name: str) -> dict[str, str]:
-    # A legacy run's key continues "{name}/" with a hex digit: "{name}/0" <= key < "{name}/g".
-    return {"legacy_lo": f"{name}/0", "legacy_hi": f"{name}/g"}
 
 
 # -- statements, built once per table set and clock mode (Statements.memo) ------------------------------
@@ -237,10 +216,3 @@ def _record_update(stmts: Statements) -> sa.Update:
 
 def _record_delete(stmts: Statements) -> sa.Delete:
     return sa.delete(stmts.tables.schedules).where(_record_where(stmts.tables))
-
-
-def _legacy_candidates(stmts: Statements) -> sa.Select[Any]:
-    m = stmts.tables.messages
-    return sa.select(m.c.id, m.c.key, m.c.lock_token, m.c.attempts).where(
-        m.c.queue == _bp("queue_name"), stmts.starts_with(m.c.key, "legacy")
-    )

@@ -1,0 +1,277 @@
+"""The queue's reads for operators, over every queue of one table set: what ``browse``, ``top`` and
+``cron ls`` show. Nothing here writes.
+
+Each statement is built once per table set and shape (``Statements.memo``); every value, the time
+included, is a bind parameter. The callers get rows and make their own values of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Row
+
+from delayq.dialects import Statements, dialect_for
+from delayq.dialects.base import prefix_bounds
+from delayq.schema import Tables, make_tables
+
+STATES = ("ready", "scheduled", "in-flight", "expired-lock")
+"""The states of a live message ``list_rows`` filters by (``browse.State``'s values but ``dead``)."""
+
+
+def _stmts(conn: Connection, tables: Tables) -> Statements:
+    return dialect_for(conn.engine).statements(tables, manual_clock=False)
+
+
+def _ms(name: str) -> Any:
+    return sa.bindparam(name, type_=sa.BigInteger)
+
+
+def _names() -> Any:
+    return sa.bindparam("names", expanding=True)
+
+
+def database_now_ms(conn: Connection) -> int:
+    """The database's clock (what decides what is due), as epoch milliseconds."""
+    return int(conn.execute(_stmts(conn, make_tables()).now_select).scalar_one())
+
+
+def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
+    m, dead, schedules = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules
+    return sa.union(
+        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
+    )
+
+
+def queue_names(conn: Connection, tables: Tables) -> list[str]:
+    """Every queue with live messages, dead letters or an installed cron schedule, sorted."""
+    return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
+
+
+def _keys_under(stmts: Statements) -> sa.Select[Any]:
+    m = stmts.tables.messages
+    return (
+        sa.select(m.c.key).where(m.c.queue == sa.bindparam("queue_name"), stmts.starts_with(m.c.key)).order_by(m.c.key)
+    )
+
+
+def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) -> list[str]:
+    """The keys of a queue's live messages that start with ``key_prefix`` (byte for byte), in key order."""
+    params = {"queue_name": queue, **prefix_bounds(key_prefix)}
+    return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
+
+
+def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool) -> sa.Select[Any]:
+    if dead:
+        t = stmts.tables.dead_letters
+        stmt = sa.select(
+            t.c.key,
+            t.c.payload_type,
+            t.c.payload,
+            t.c.attempts,
+            t.c.last_error,
+            t.c.attempt_history,
+            t.c.failed_at,
+            sa.null().label("scheduled_at"),
+            sa.null().label("lock_token"),
+        ).order_by(t.c.id)
+    else:
+        t = stmts.tables.messages
+        stmt = sa.select(
+            t.c.key,
+            t.c.payload_type,
+            t.c.payload,
+            t.c.attempts,
+            t.c.last_error,
+            t.c.attempt_history,
+            sa.null().label("failed_at"),
+            t.c.scheduled_at,
+            t.c.lock_token,
+        ).order_by(t.c.scheduled_at, t.c.id)
+        due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
+        where = {
+            "ready": sa.and_(due, ~locked),
+            "scheduled": sa.and_(~due, ~locked),
+            "in-flight": sa.and_(~due, locked),
+            "expired-lock": sa.and_(due, locked),
+        }
+        if state is not None:
+            stmt = stmt.where(where[state])
+    stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
+    if by_prefix:
+        stmt = stmt.where(stmts.starts_with(t.c.key))
+    if by_key:
+        stmt = stmt.where(t.c.key == sa.bindparam("msg_key"))
+    return stmt
+
+
+def list_rows(
+    conn: Connection,
+    tables: Tables,
+    queue: str,
+    *,
+    dead: bool,
+    state: str | None,
+    now_ms: int,
+    key_prefix: str | None,
+    key: str | None,
+    limit: int,
+) -> Sequence[Row[Any]]:
+    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
+    with ``dead``, its dead letters by id. Columns: key, payload_type, payload, attempts, last_error,
+    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply)."""
+    if state is not None and state not in STATES:
+        raise ValueError(f"no such state: {state!r}")
+    shape = (dead, None if dead else state, bool(key_prefix), key is not None)
+    params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
+    if key_prefix:
+        params.update(prefix_bounds(key_prefix))
+    return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
+
+
+def _flow(stmts: Statements) -> sa.Select[Any]:
+    m = stmts.tables.messages
+    below = _ms("below")
+    return sa.select(
+        sa.func.count().label("n"),
+        sa.func.max(m.c.id).label("top"),
+        sa.func.coalesce(sa.func.sum(sa.case((m.c.id <= below, 1), else_=0)), 0).label("old"),
+    ).where(m.c.queue == sa.bindparam("queue_name"))
+
+
+def flow(conn: Connection, tables: Tables, queue: str, below: int) -> tuple[int, int | None, int]:
+    """A queue's live messages: how many, the highest id, and how many have an id at or below ``below``."""
+    r = conn.execute(_stmts(conn, tables).memo(_flow), {"queue_name": queue, "below": below}).one()
+    return int(r.n), None if r.top is None else int(r.top), int(r.old)
+
+
+def _oldest_tokens(stmts: Statements) -> sa.Select[Any]:
+    m = stmts.tables.messages
+    return (
+        sa.select(m.c.queue, sa.func.min(m.c.lock_token).label("token"))
+        .where(
+            m.c.queue.in_(_names()),
+            m.c.lock_token.like("________-____-7%"),  # (tokens of an older delayq tell no time)
+            m.c.scheduled_at > _ms("at"),
+        )
+        .group_by(m.c.queue)
+    )
+
+
+def oldest_tokens(conn: Connection, tables: Tables, names: Sequence[str], now_ms: int) -> dict[str, str]:
+    """Per queue of ``names``, the smallest lock token of a claim unexpired at ``now_ms`` among the tokens
+    that tell their claim's time (``_tokens.new_token``: the smallest is the oldest claim)."""
+    if not names:
+        return {}
+    rows = conn.execute(_stmts(conn, tables).memo(_oldest_tokens), {"names": list(names), "at": now_ms})
+    return {r.queue: r.token for r in rows}
+
+
+def _recent_failures(stmts: Statements, dead: bool) -> sa.Select[Any]:
+    m, gone = stmts.tables.messages, stmts.tables.dead_letters
+    limit = sa.bindparam("limit", type_=sa.Integer)
+    if dead:
+        return (
+            sa.select(gone.c.queue, gone.c.key, gone.c.attempt_history, gone.c.last_error)
+            .where(gone.c.queue.in_(_names()))
+            .order_by(gone.c.failed_at.desc(), gone.c.id.desc())
+            .limit(limit)
+        )
+    return (
+        sa.select(m.c.queue, m.c.key, m.c.attempt_history, m.c.last_error)
+        .where(m.c.queue.in_(_names()), m.c.last_error.is_not(None), m.c.lock_token.is_(None))
+        .order_by(m.c.scheduled_at.desc())
+        .limit(limit)
+    )
+
+
+def recent_failures(
+    conn: Connection, tables: Tables, names: Sequence[str], *, dead: bool, limit: int
+) -> Sequence[Row[Any]]:
+    """The latest failures in queues ``names``: messages awaiting a retry (latest due first) or, with ``dead``,
+    dead letters (latest first). Columns: queue, key, attempt_history, last_error."""
+    if not names:
+        return []
+    params = {"names": list(names), "limit": limit}
+    return conn.execute(_stmts(conn, tables).memo(_recent_failures, dead), params).all()
+
+
+def _rows_under(stmts: Statements, by_queue: bool) -> sa.Select[Any]:
+    m = stmts.tables.messages
+    stmt = sa.select(m.c.queue, m.c.key, m.c.scheduled_at, m.c.lock_token, m.c.attempts).where(
+        stmts.starts_with(m.c.key)
+    )
+    return stmt.where(m.c.queue == sa.bindparam("queue_name")) if by_queue else stmt
+
+
+def rows_under(conn: Connection, tables: Tables, bounds: dict[str, str], queue: str | None) -> Sequence[Row[Any]]:
+    """The live messages (of ``queue``, or of every queue) whose key lies in ``bounds`` (``prefix_lo`` /
+    ``prefix_hi``, as ``prefix_bounds`` makes them). Columns: queue, key, scheduled_at, lock_token, attempts."""
+    params = {**bounds, "queue_name": queue}
+    return conn.execute(_stmts(conn, tables).memo(_rows_under, queue is not None), params).all()
+
+
+def _dead_count(stmts: Statements) -> sa.Select[Any]:
+    dead = stmts.tables.dead_letters
+    return sa.select(sa.func.count()).where(
+        dead.c.queue == sa.bindparam("queue_name"), dead.c.key == sa.bindparam("msg_key")
+    )
+
+
+def dead_count(conn: Connection, tables: Tables, queue: str, key: str) -> int:
+    """How many dead letters ``queue`` holds under ``key``."""
+    return int(conn.execute(_stmts(conn, tables).memo(_dead_count), {"queue_name": queue, "msg_key": key}).scalar_one())
+
+
+# -- the Spark data source's reads of a queue's messages or dead letters, by id -----------------------
+def _scanned(tables: Tables, dead: bool) -> sa.Table:
+    return tables.dead_letters if dead else tables.messages
+
+
+def _scan_where(
+    t: sa.Table, queue: str | None, where: Sequence[sa.ColumnElement[bool]], low: int | None, high: int | None
+) -> list[sa.ColumnElement[bool]]:
+    return [
+        *([] if queue is None else [t.c.queue == queue]),
+        *([] if low is None else [t.c.id >= low]),
+        *([] if high is None else [t.c.id <= high]),
+        *where,
+    ]
+
+
+def scan_span(
+    conn: Connection,
+    tables: Tables,
+    *,
+    dead: bool,
+    queue: str | None,
+    where: Sequence[sa.ColumnElement[bool]] = (),
+    low: int | None = None,
+    high: int | None = None,
+) -> tuple[int | None, int | None, int]:
+    """The lowest and highest id and the count of the rows (of ``queue``, or all; ids ``low..high``) that
+    match ``where`` (conditions over the table's columns: the data source's pushed filters)."""
+    t = _scanned(tables, dead)
+    query = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(
+        *_scan_where(t, queue, where, low, high)
+    )
+    first, last, rows = conn.execute(query).one()
+    return first, last, int(rows)
+
+
+def scan_rows(
+    tables: Tables,
+    *,
+    dead: bool,
+    queue: str | None,
+    names: Sequence[str] | None = None,
+    where: Sequence[sa.ColumnElement[bool]] = (),
+    low: int | None = None,
+    high: int | None = None,
+) -> sa.Select[Any]:
+    """The query of the columns ``names`` (None: all) of those rows, by id, for the caller to stream."""
+    t = _scanned(tables, dead)
+    columns = [t] if names is None else [t.c[n] for n in names]
+    return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)
