@@ -870,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import soak as soak_bench
 
         if args.peers:
-            peers_bench.main(URLS["postgresql"], args.peers_n, sizes.repeat, args.json)
+            peers_bench.main(URLS["postgresql"], args.peers_n, sizes.repeat, args.json, sizes.pickup)
         if args.soak:
             backend = args.backends.split(",")[0] if args.backends != parser.get_default("backends") else "postgresql"
             with tempfile.TemporaryDirectory() as tmp:

@@ -540,7 +540,7 @@ def main(url: str, n: int, rounds: int, json_path: Path | None = None, pickups: 
     if why_not_asyncpg is not None:
         print(f"delayq.aio on asyncpg: n/a ({why_not_asyncpg})")
     medians = {name: {row: statistics.median(v) for row, v in rows.items()} for name, rows in runs.items()}
-    print_table(contenders, medians, n, rounds)
+    ratios = print_table(contenders, medians, n, rounds, runs)
     print(f"\npickup latency, idle, offer commit -> handler start ({per_round * rounds} samples each):")
     pickup: dict[str, tuple[float, float] | str] = {}
     for name, pick in pickers.items():
@@ -551,13 +551,17 @@ def main(url: str, n: int, rounds: int, json_path: Path | None = None, pickups: 
         p50, p99 = percentiles(lats[name])
         pickup[name] = (p50, p99)
         print(f"  {name:<30} p50 {p50:6.2f} ms  p99 {p99:6.2f} ms", flush=True)
-    result = {"n": n, "rounds": rounds, "rates": medians, "runs": runs, "pickup": pickup}
+    result = {"n": n, "rounds": rounds, "rates": medians, "runs": runs, "ratios": ratios, "pickup": pickup}
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
     return result
 
 
-def print_table(contenders: dict[str, Any], medians: dict[str, Rates], n: int, rounds: int) -> None:
+def print_table(
+    contenders: dict[str, Any], medians: dict[str, Rates], n: int, rounds: int, runs: dict[str, dict[str, list[float]]]
+) -> dict[str, dict[str, float]]:
+    """The rates' table, then each delayq contender's ratios to pgqueuer: the median of the ratios of each
+    round (the two measured minutes apart at most, where the machine's load swings between rounds); returned."""
     cols = list(contenders)
     print(f"\npeers, PostgreSQL, msgs/s, median of {rounds} interleaved round(s) of {n} messages")
     print(f"{'row':<26}" + "".join(f"{c:>20}" for c in cols))
@@ -570,18 +574,36 @@ def print_table(contenders: dict[str, Any], medians: dict[str, Rates], n: int, r
                 v = medians[c].get(row)
                 cells.append(f"{v:20.0f}" if v is not None else f"{'-':>20}")
         print(f"{row:<26}" + "".join(cells))
-    base = medians.get("pgqueuer asyncpg")
+    ratios: dict[str, dict[str, float]] = {}
+    base = runs.get("pgqueuer asyncpg")
     if not base:
-        return
-    print("ratios to pgqueuer on asyncpg (and offers of the same driver to pgqueuer on psycopg):")
+        return ratios
+    print(
+        "ratios to pgqueuer on asyncpg, median of the rounds' ratios"
+        " (offers of the psycopg contenders: to pgqueuer on psycopg):"
+    )
     for c in cols:
         if c.startswith("pgqueuer") or isinstance(contenders[c], str):
             continue
         parts = []
         for row in ROWS:
             ref = base
-            if row.startswith("offer") and c in ("delayq threads", "delayq.aio psycopg"):
-                ref = medians.get("pgqueuer psycopg") or base
-            if row in medians[c] and ref.get(row):
-                parts.append(f"{row}: {medians[c][row] / ref[row]:.2f}")
+            if (
+                row.startswith("offer")
+                and c in ("delayq threads", "delayq.aio psycopg")
+                and runs.get("pgqueuer psycopg")
+            ):
+                ref = runs["pgqueuer psycopg"]
+            ours, theirs = runs[c].get(row, []), ref.get(row, [])
+            if ours and len(ours) == len(theirs):
+                found = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+                ratios.setdefault(c, {})[row] = found
+                parts.append(f"{row}: {found:.2f}")
         print(f"  {c:<20} " + "; ".join(parts))
+    threads, aio = runs.get("delayq threads", {}), runs.get("delayq.aio psycopg", {})
+    for row in ("drain worker, batch 1", "drain worker, batch 100"):
+        if threads.get(row) and len(threads[row]) == len(aio.get(row, [])):
+            found = statistics.median(a / b for a, b in zip(aio[row], threads[row], strict=True))
+            ratios.setdefault("AsyncWorker / Worker", {})[row] = found
+            print(f"  AsyncWorker / Worker (psycopg), {row}: {found:.2f}")
+    return ratios
