@@ -39,6 +39,7 @@ import sqlalchemy as sa
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
 from benchmarks import processes as process_bench
+from benchmarks import stack as stack_bench
 from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
@@ -89,6 +90,13 @@ class Figure:
     run_ratios: list[float] = field(default_factory=list)  # delayq / ceiling within each run
     cpu_us: float | None = None  # this process's CPU per message (SQLite's own work included), median of runs
     ceiling_cpu_us: float | None = None
+    bare: float | None = None  # stack rows: the bare driver's rate beside the stack ceiling (benchmarks/stack.py)
+    bare_ratios: list[float] = field(default_factory=list)  # stack / bare within each run
+    bare_cpu_us: float | None = None
+
+    @property
+    def stack_over_bare(self) -> float | None:
+        return statistics.median(self.bare_ratios) if self.bare_ratios else None
 
     @property
     def ratio(self) -> float | None:
@@ -416,7 +424,14 @@ def pickup_latency(engine: sa.Engine, q: DelayedQueue, n: int) -> tuple[float, N
 
 
 def worker_drain(
-    engine: sa.Engine, q: DelayedQueue, n: int, workers: int, slots: int = 8, *, ceiling_batch: int | None = None
+    engine: sa.Engine,
+    q: DelayedQueue,
+    n: int,
+    workers: int,
+    slots: int = 8,
+    *,
+    ceiling_batch: int | None = None,
+    api_ceiling: bool = False,
 ) -> tuple[float, float | None, list[float]]:
     """No-op handlers draining n due messages with ``workers`` workers of ``slots`` slots each.
 
@@ -467,8 +482,13 @@ def worker_drain(
             expected = fill(q, n // rounds)
             delivered = Counter()
 
-            def theirs(_: int, delivered: Counter[str] = delivered) -> None:
-                while keys := claim(raw, ceiling_batch):
+            def theirs(_: int, delivered: Counter[str] = delivered, size: int = ceiling_batch) -> None:
+                if api_ceiling:
+                    while got := q.try_poll_many(size):
+                        q.ack_many(got)
+                        delivered.update(d.key for d in got)
+                    return
+                while keys := claim(raw, size):
                     delivered.update(keys)
 
             theirs_time += cpu.add(False, lambda: run_threads(1, theirs))
@@ -479,6 +499,176 @@ def worker_drain(
     if theirs_time:
         cpu.report(done)
     return done / ours_time, (done / theirs_time if theirs_time else None), []
+
+
+# -- the stack ceiling ----------------------------------------------------------------------------
+# delayq, the same statements by hand on SQLAlchemy Core (benchmarks/stack.py) and the bare driver
+# (benchmarks/ceiling.py) take turns call by call, the order rotating, so each ratio is measured in
+# one stretch of the shared machine's time. The Figure's ceiling is the stack; ``bare`` beside it.
+BARE_RUNS: list[tuple[float, float, float]] = []
+"""(stack rate, bare rate, bare CPU s/msg) of each run of the stack scenario being measured."""
+
+
+def three_way(n: int, calls: list[Callable[[int], object]], per_call: int = 1) -> tuple[float, float, list[float]]:
+    """Run ``calls`` = [delayq, stack, bare], each ``n // per_call`` times (argument: the call's index), in
+    rotating order; (delayq rate, stack rate) of ``n`` messages each, the bare figures in ``BARE_RUNS``."""
+    seconds, cpu = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    for i in range(n // per_call):
+        for j in range(3):
+            side = (i + j) % 3
+            fn = calls[side]
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn(i)
+            seconds[side] += time.perf_counter() - t0
+            cpu[side] += time.process_time() - c0
+    done = (n // per_call) * per_call
+    CPU_RUNS.append((cpu[0] / done, cpu[1] / done))
+    BARE_RUNS.append((done / seconds[1], done / seconds[2], cpu[2] / done))
+    return done / seconds[0], done / seconds[1], []
+
+
+def stack_offer(
+    engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int
+) -> tuple[float, float, list[float]]:
+    clear(engine)
+    raw = ceiling.connect(engine, autocommit=True)
+    bare = ceiling.offer_one(engine.dialect.name, TABLE)
+    try:
+        figures = three_way(
+            n,
+            [
+                lambda i: q.offer(f"d{i}", {"n": 1}),
+                lambda i: stack.offer(f"s{i}", PAYLOAD),
+                lambda i: bare(raw, f"b{i}", PAYLOAD),
+            ],
+        )
+    finally:
+        raw.close()
+    assert count(engine) == 3 * n
+    return figures
+
+
+def stack_get(engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int) -> tuple[float, float, list[float]]:
+    clear(engine)
+    fill(q, n)
+    raw = ceiling.connect(engine, autocommit=True)
+    bare = ceiling.get_one(engine.dialect.name, TABLE)
+    found = [0, 0, 0]
+
+    def tally(side: int, got: object) -> None:
+        found[side] += got is not None
+
+    try:
+        figures = three_way(
+            n,
+            [
+                lambda i: tally(0, q.get(f"c{i}")),
+                lambda i: tally(1, stack.get(f"c{i}")),
+                lambda i: tally(2, bare(raw, f"c{i}")),
+            ],
+        )
+    finally:
+        raw.close()
+    if found != [n, n, n]:
+        raise LostMessages(f"stack get: found {found} of {n} each")
+    return figures
+
+
+def stack_cancel(
+    engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int
+) -> tuple[float, float, list[float]]:
+    clear(engine)
+    fill(q, 3 * n)
+    raw = ceiling.connect(engine, autocommit=True)
+    bare = ceiling.cancel_one(engine.dialect.name, TABLE)
+    gone = [0, 0, 0]
+
+    def tally(side: int, ok: bool) -> None:
+        gone[side] += ok
+
+    try:
+        figures = three_way(
+            n,
+            [
+                lambda i: tally(0, q.cancel(f"c{i}")),
+                lambda i: tally(1, stack.cancel(f"c{n + i}")),
+                lambda i: tally(2, bare(raw, f"c{2 * n + i}")),
+            ],
+        )
+    finally:
+        raw.close()
+    if gone != [n, n, n] or count(engine):
+        raise LostMessages(f"stack cancel: cancelled {gone} of {n} each, {count(engine)} left")
+    return figures
+
+
+def stack_offer_many(
+    engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int, size: int = 500
+) -> tuple[float, float, list[float]]:
+    clear(engine)
+    raw = ceiling.connect(engine, autocommit=True)
+    bare = ceiling.offer_batch(engine.dialect.name, TABLE)
+
+    def keys(tag: str, i: int) -> range:
+        return range(i * size, (i + 1) * size)
+
+    try:
+        figures = three_way(
+            n,
+            [
+                lambda i: q.offer_many([(f"d{k}", {"n": 1}, None) for k in keys("d", i)]),
+                lambda i: stack.offer_many([(f"s{k}", PAYLOAD) for k in keys("s", i)]),
+                lambda i: bare(raw, [(f"b{k}", PAYLOAD) for k in keys("b", i)], int(time.time() * 1000)),
+            ],
+            per_call=size,
+        )
+    finally:
+        raw.close()
+    assert count(engine) == 3 * (n // size) * size, count(engine)
+    return figures
+
+
+def stack_consume(
+    engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int, batch: int
+) -> tuple[float, float, list[float]]:
+    """Claim ``batch`` + ack, one consumer each side, from one queue filled with 3n messages."""
+    clear(engine)
+    expected = fill(q, 3 * (n // batch) * batch)
+    raw = ceiling.connect(engine, autocommit=engine.dialect.name == "postgresql")
+    bare = ceiling.claim_and_ack(engine.dialect.name, TABLE)
+    delivered: Counter[str] = Counter()
+    short = [0]
+
+    def ours(_: int) -> None:
+        if batch == 1:  # the single-message API: try_poll, then the delivery's ack
+            one = q.try_poll()
+            got = [] if one is None else [one]
+            if one is not None:
+                one.ack()
+        else:
+            got = q.try_poll_many(batch)
+            q.ack_many(got)
+        delivered.update(d.key for d in got)
+        short[0] += len(got) < batch
+
+    def by_stack(_: int) -> None:
+        keys = stack.claim_and_ack(batch)
+        delivered.update(keys)
+        short[0] += len(keys) < batch
+
+    def by_bare(_: int) -> None:
+        keys = bare(raw, batch)
+        delivered.update(keys)
+        short[0] += len(keys) < batch
+
+    try:
+        figures = three_way(n, [ours, by_stack, by_bare], per_call=batch)
+    finally:
+        raw.close()
+    check_exactly_once(engine, expected, delivered, f"stack consume {batch}")
+    if short[0]:
+        raise LostMessages(f"stack consume {batch}: {short[0]} claims came back short")
+    return figures
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -506,7 +696,7 @@ def selected(scenario: str, only: str) -> bool:
     return any(scenario.startswith(t[1:]) if t.startswith("^") else t in scenario for t in only.split("|"))
 
 
-def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list[Figure]:
+def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "", stack_only: bool = False) -> list[Figure]:
     engine = make_engine(backend, tmp)
     migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=PREFIX)
     q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
@@ -516,14 +706,38 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "") -> list
         if not selected(scenario, only):
             return
         CPU_RUNS.clear()
+        BARE_RUNS.clear()
         figure = median_figure(backend, scenario, [fn() for _ in range(sizes.repeat)])
         if CPU_RUNS:
             figure.cpu_us = statistics.median(r[0] for r in CPU_RUNS) * 1e6
             figure.ceiling_cpu_us = statistics.median(r[1] for r in CPU_RUNS) * 1e6
+        if BARE_RUNS:
+            figure.bare = statistics.median(r[1] for r in BARE_RUNS)
+            figure.bare_ratios = [r[0] / r[1] for r in BARE_RUNS]
+            figure.bare_cpu_us = statistics.median(r[2] for r in BARE_RUNS) * 1e6
         figures.append(figure)
         print_row(figure)
 
-    measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
+    if not stack_only:
+        measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
+    stack = stack_bench.Stack(q)
+    stack_bench.check_same_sql(q, stack)
+    measure("stack: offer (one per call)", lambda: stack_offer(engine, q, stack, sizes.single))
+    measure("stack: try_poll + ack", lambda: stack_consume(engine, q, stack, sizes.consume_single, 1))
+    measure("stack: get", lambda: stack_get(engine, q, stack, sizes.single))
+    measure("stack: cancel", lambda: stack_cancel(engine, q, stack, sizes.single))
+    measure("stack: offer_many (500 per call)", lambda: stack_offer_many(engine, q, stack, sizes.batch))
+    measure(
+        "stack: try_poll_many(100) + ack_many",
+        lambda: stack_consume(engine, q, stack, sizes.consume_batch, 100),
+    )
+    measure(
+        "stack: worker 1 x 100 slots (ceiling: API loop try_poll_many(100) + ack_many)",
+        lambda: worker_drain(engine, q, sizes.consume_batch, 1, 100, ceiling_batch=100, api_ceiling=True),
+    )
+    if stack_only:
+        engine.dispose()
+        return figures
     if backend != "sqlite":  # an engine whose connections commit each statement: no COMMIT round trip,
         # and no ROLLBACK when a connection returns to the pool (docs/performance.md, "Tuning")
         autocommit = sa.create_engine(
@@ -612,6 +826,11 @@ def print_row(f: Figure, ceiling_label: str = "ceiling") -> None:
     cpu = ""
     if f.cpu_us is not None and f.ceiling_cpu_us is not None:
         cpu = f"  cpu {f.cpu_us:.1f} / {f.ceiling_cpu_us:.1f} µs/msg"
+    if f.stack_over_bare is not None and f.bare is not None:  # a stack row: delayq/stack, then stack/bare
+        ceiling_label = "stack"
+        cpu += f"  | bare {f.bare:7.0f}/s  stack/bare {f.stack_over_bare:5.2f}"
+        if f.bare_cpu_us is not None:
+            cpu += f"  cpu bare {f.bare_cpu_us:.1f} µs/msg"
     print(
         f"{f.backend:<10} {f.scenario:<58} {ours}/s  {ceiling_label} {theirs}/s  ratio {ratio}{spread}{lat}{cpu}",
         flush=True,
@@ -629,16 +848,45 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="run the scenarios whose name contains this text (several: separated by |; ^text: starts with it)",
     )
+    parser.add_argument(
+        "--stack", action="store_true", help="only the stack-ceiling rows: delayq, SQLAlchemy Core, bare driver"
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="delayq beside pgqueuer (asyncpg, psycopg) and procrastinate on PostgreSQL (benchmarks/peers.py)",
+    )
+    parser.add_argument("--peers-n", type=int, default=5000, help="messages per peers run")
+    parser.add_argument(
+        "--soak", type=int, nargs="?", const=1_000_000, help="one worker, 100 slots, this many messages (1,000,000)"
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.repeat:
         sizes.repeat = args.repeat
     figures: list[Figure] = []
+    if args.peers or args.soak:
+        from benchmarks import peers as peers_bench
+        from benchmarks import soak as soak_bench
+
+        if args.peers:
+            peers_bench.main(URLS["postgresql"], args.peers_n, sizes.repeat, args.json, sizes.pickup)
+        if args.soak:
+            backend = args.backends.split(",")[0] if args.backends != parser.get_default("backends") else "postgresql"
+            with tempfile.TemporaryDirectory() as tmp:
+                ok = soak_bench.run(make_engine(backend, Path(tmp)), PREFIX, args.soak)
+            if not ok:
+                return 1
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
-            figures += bench_backend(backend.strip(), sizes, Path(tmp), args.only)
+            figures += bench_backend(backend.strip(), sizes, Path(tmp), args.only, args.stack)
     if args.json:
-        args.json.write_text(json.dumps([{**asdict(f), "ratio": f.ratio} for f in figures], indent=2))
+        args.json.write_text(
+            json.dumps(
+                [{**asdict(f), "ratio": f.ratio, "stack_over_bare": f.stack_over_bare} for f in figures], indent=2
+            )
+        )
     return 0
 
 

@@ -10,7 +10,6 @@ Registered in ``python -m benchmarks`` (scenarios named "asyncio: ..."; ``--only
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import threading
 import time
@@ -294,226 +293,22 @@ def measure_all(engine: sa.Engine, q: DelayedQueue, sizes: Any, measure: Measure
     )
 
 
-# -- peers: pgqueuer and procrastinate ----------------------------------------------------------------
-# ``python -m benchmarks.asyncio --peers``: delayq's threaded Worker and its AsyncWorker beside pgqueuer's
-# and procrastinate's async workers, one process each, on one PostgreSQL (a database of their own, ``delayq_peers``, so
-# their schemas stay out of the test database). Neither is a dependency of delayq: install them by
-# hand (``pip install pgqueuer procrastinate``); a missing one is skipped. Offers: one per call and
-# 100 per call; drains: a no-op handler, batch (or concurrency) 1 and 100.
-PEERS_DB = "delayq_peers"
-
-
-def peers_url(url: str) -> str:
-    """The peers' database on the server of ``url``, made when missing."""
-    base = sa.make_url(url)
-    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        if conn.exec_driver_sql(f"SELECT 1 FROM pg_database WHERE datname = '{PEERS_DB}'").first() is None:
-            conn.exec_driver_sql(f"CREATE DATABASE {PEERS_DB}")
-    admin.dispose()
-    return base.set(database=PEERS_DB).render_as_string(hide_password=False)
-
-
-async def delayq_peer(url: str, n: int, batch: int) -> tuple[float, float]:
-    from delayq import migrations
-
-    migrations.upgrade(url, prefix=PREFIX)
-    sync_engine = sa.create_engine(url)
-    clear(sync_engine)
-    engine = create_async_engine(url, pool_size=20)
-    aq = AsyncDelayedQueue(engine, "bench", table_prefix=PREFIX)
-    start = time.perf_counter()
-    for b in range(0, n, batch):
-        if batch == 1:
-            await aq.offer(f"k{b}", {"n": b})
-        else:
-            await aq.offer_many([(f"k{i}", {"n": i}, None) for i in range(b, min(n, b + batch))])
-    offered = n / (time.perf_counter() - start)
-    done = 0
-
-    class Noop(AsyncHandler):
-        queue = "bench"
-
-        async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
-            nonlocal done
-            done += 1
-
-    worker = AsyncWorker(engine, [Noop], table_prefix=PREFIX, concurrency=batch)
-    start = time.perf_counter()
-    worker.start()
-    while done < n and time.perf_counter() - start < 600:  # the handlers' own count: no query on the way
-        await asyncio.sleep(0.002)
-    consumed = n / (time.perf_counter() - start)
-    await worker.stop()
-    if done != n or count(sync_engine):
-        raise LostMessages(f"delayq peer run: {done} of {n} handled, {count(sync_engine)} left")
-    await engine.dispose()
-    sync_engine.dispose()
-    return offered, consumed
-
-
-async def delayq_threads_peer(url: str, n: int, batch: int) -> tuple[float, float]:
-    """delayq's threaded ``Worker`` (``concurrency`` = the batch), offers through the sync queue."""
-    return await asyncio.to_thread(_threads_run, url, n, batch)
-
-
-def _threads_run(url: str, n: int, batch: int) -> tuple[float, float]:
-    from delayq import migrations
-
-    migrations.upgrade(url, prefix=PREFIX)
-    engine = sa.create_engine(url, pool_size=20)
-    clear(engine)
-    q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
-    start = time.perf_counter()
-    for b in range(0, n, batch):
-        if batch == 1:
-            q.offer(f"k{b}", {"n": b})
-        else:
-            q.offer_many([(f"k{i}", {"n": i}, None) for i in range(b, min(n, b + batch))])
-    offered = n / (time.perf_counter() - start)
-
-    class Noop(Handler):
-        queue = "bench"
-
-        def handle(self, delivery: Delivery, conn: Any = None) -> None:
-            pass
-
-    worker = Worker(engine, [Noop], table_prefix=PREFIX, concurrency=batch)
-    start = time.perf_counter()
-    worker.start()
-    while worker.handled < n and time.perf_counter() - start < 600:  # the worker's own count
-        time.sleep(0.002)
-    consumed = n / (time.perf_counter() - start)
-    worker.stop()
-    if worker.handled != n or count(engine):
-        raise LostMessages(f"delayq threads peer run: {worker.handled} of {n} handled, {count(engine)} left")
-    engine.dispose()
-    return offered, consumed
-
-
-async def pgqueuer_peer(url: str, n: int, batch: int) -> tuple[float, float]:
-    """pgqueuer on psycopg's async connection (the driver delayq uses)."""
-    import psycopg
-    from pgqueuer import PsycopgDriver
-
-    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    try:
-        return await _pgqueuer_run(PsycopgDriver(conn), n, batch)
-    finally:
-        await conn.close()
-
-
-async def pgqueuer_asyncpg_peer(url: str, n: int, batch: int) -> tuple[float, float]:
-    """pgqueuer on asyncpg, the driver its documentation starts with (``pip install asyncpg``)."""
-    import asyncpg
-    from pgqueuer import AsyncpgDriver
-
-    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await _pgqueuer_run(AsyncpgDriver(conn), n, batch)
-    finally:
-        await conn.close()
-
-
-async def _pgqueuer_run(driver: Any, n: int, batch: int) -> tuple[float, float]:
-    from pgqueuer import Queries, QueueManager
-    from pgqueuer.domain.types import QueueExecutionMode
-
-    queries = Queries(driver)
-    if not await queries.has_table("pgqueuer"):
-        await queries.install()
-    await queries.clear_queue()
-    start = time.perf_counter()
-    for b in range(0, n, batch):
-        size = min(batch, n - b)
-        if size == 1:
-            await queries.enqueue("bench", b"{}")
-        else:
-            await queries.enqueue(["bench"] * size, [b"{}"] * size, [0] * size)
-    offered = n / (time.perf_counter() - start)
-    qm = QueueManager(queries)
-    done = 0
-
-    @qm.entrypoint("bench")
-    async def noop(job: Any) -> None:
-        nonlocal done
-        done += 1
-
-    start = time.perf_counter()
-    await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
-    consumed = n / (time.perf_counter() - start)
-    if done != n:
-        raise LostMessages(f"pgqueuer: {done} of {n} handled")
-    return offered, consumed
-
-
-async def procrastinate_peer(url: str, n: int, batch: int) -> tuple[float, float]:
-    import procrastinate
-
-    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
-    done = 0
-
-    @app.task(queue="bench", name="bench_noop")
-    async def noop(i: int) -> None:
-        nonlocal done
-        done += 1
-
-    async with app.open_async():
-        with contextlib.suppress(Exception):  # applied by an earlier run
-            await app.schema_manager.apply_schema_async()
-        admin = sa.create_engine(url)
-        with admin.begin() as c:
-            c.exec_driver_sql("DELETE FROM procrastinate_jobs")
-        admin.dispose()
-        start = time.perf_counter()
-        for b in range(0, n, batch):
-            if batch == 1:
-                await noop.defer_async(i=b)
-            else:
-                await noop.batch_defer_async(*({"i": i} for i in range(b, min(n, b + batch))))
-        offered = n / (time.perf_counter() - start)
-        start = time.perf_counter()
-        await app.run_worker_async(
-            queues=["bench"], concurrency=batch, wait=False, delete_jobs="always", install_signal_handlers=False
-        )
-        consumed = n / (time.perf_counter() - start)
-    if done != n:
-        raise LostMessages(f"procrastinate: {done} of {n} handled")
-    return offered, consumed
-
-
+# -- peers ------------------------------------------------------------------------------------------
+# ``python -m benchmarks.asyncio --peers`` is kept as another name for ``python -m benchmarks --peers``
+# (benchmarks/peers.py): delayq's workers and APIs, threads and asyncio, beside pgqueuer and procrastinate.
 def peers_main(argv: list[str] | None = None) -> int:
     import argparse
-    import logging
     import os
+
+    from benchmarks import peers
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.asyncio --peers")
     parser.add_argument("--peers", action="store_true", required=True)
     parser.add_argument("-n", type=int, default=5000, help="messages per run")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)
-    url = peers_url(os.environ.get("DELAYQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
-    runs: list[tuple[str, Callable[[str, int, int], Awaitable[tuple[float, float]]]]] = [
-        ("delayq Worker", delayq_threads_peer),
-        ("delayq.aio", delayq_peer),
-        ("pgqueuer", pgqueuer_peer),
-        ("pgqueuer+apg", pgqueuer_asyncpg_peer),
-        ("procrastinate", procrastinate_peer),
-    ]
-    for batch in (1, 100):
-        for name, run in runs:
-            try:
-                offered, consumed = asyncio.run(run(url, args.n, batch))
-            except ImportError as exc:
-                print(f"{name:<14} skipped: {exc}")
-                continue
-            print(
-                f"{name:<14} batch {batch:>3}: offer {offered:8.0f}/s  drain (no-op handler) {consumed:8.0f}/s",
-                flush=True,
-            )
+    url = os.environ.get("DELAYQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    peers.main(url, args.n, args.repeat)
     return 0
 
 

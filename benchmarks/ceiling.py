@@ -94,6 +94,38 @@ def offer_batch(name: str, table: str) -> Callable[[Raw, Sequence[tuple[str, byt
     return run
 
 
+def get_one(name: str, table: str) -> Callable[[Raw, str], Any]:
+    """Read one message by key (the columns ``DelayedQueue.get`` reads); autocommit, nothing begun."""
+    p, key = _ph(name), _key(name)
+    sql = (
+        f"SELECT {key}, payload, payload_type, scheduled_at, scheduled_at_initially, created_at, attempts,"
+        f" last_error, lock_token, attempt_history FROM {table} WHERE queue = {p} AND {key} = {p}"
+    )
+
+    def run(raw: Raw, k: str) -> Any:
+        cur = raw.cursor()
+        cur.execute(sql, ("bench", k))
+        row = cur.fetchone()
+        if name == "mysql":
+            raw.commit()
+        return row
+
+    return run
+
+
+def cancel_one(name: str, table: str) -> Callable[[Raw, str], bool]:
+    """Delete one message by key, in autocommit."""
+    p, key = _ph(name), _key(name)
+    sql = f"DELETE FROM {table} WHERE queue = {p} AND {key} = {p}"
+
+    def run(raw: Raw, k: str) -> bool:
+        cur = raw.cursor()
+        cur.execute(sql, ("bench", k))
+        return bool(cur.rowcount == 1)
+
+    return run
+
+
 def claim_and_ack(name: str, table: str) -> Callable[[Raw, int], list[str]]:
     """Claim up to n due messages and ack them; returns their keys."""
     p, now, key = _ph(name), NOW_MS[name], _key(name)

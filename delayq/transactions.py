@@ -33,6 +33,8 @@ log = logging.getLogger("delayq")
 T = TypeVar("T")
 Using = Engine | Connection | Session | None
 Operation = Callable[[Connection, Dialect], T]
+_PREPARED = "delayq_prepared"
+"""Key of a pooled connection's ``info``: the class of the dialect whose ``prepare`` ran on its driver connection."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,9 @@ class Runner:
             dialect_for(conn.engine).verify()  # the server this connection reached, not the queue's
             pooled = conn.connection
             dbapi_connection = pooled.dbapi_connection
-            self.dialect.prepare(pooled.driver_connection)
+            if pooled.info.get(_PREPARED) is not type(self.dialect):  # once per driver connection
+                self.dialect.prepare(pooled.driver_connection)
+                pooled.info[_PREPARED] = type(self.dialect)
             autocommitting = self.dialect.autocommitting(dbapi_connection)
             start = self.dialect.owned_start(mode, autocommitting, idle_timeout, pooled.info)
             try:
