@@ -80,6 +80,16 @@ class QueueStats:
     """How long the oldest due message (ready or with an expired lock) has waited; None when none."""
 
 
+@dataclass(frozen=True, slots=True)
+class FlowState:
+    """A queue's flow settings as stored (``DelayedQueue.flow``)."""
+
+    paused: bool = False
+    """Claims take nothing (offers are still stored)."""
+    priorities: bool = False
+    """Some offer set a priority: claims take the highest priority first, one level at a time."""
+
+
 class _Owner(Protocol):
     """What a ``Delivery`` asks of the queue that made it (``delayq.queue.DelayedQueue``, which builds on
     this module)."""

@@ -143,6 +143,7 @@ class Statements:
                 last_error=None,
                 attempt_history=None,
                 headers=None,
+                priority=_bp("new_priority", sa.Integer),
             )
         )
         self.mark_claimed = (
@@ -402,11 +403,17 @@ class Dialect:
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        visibility_ms: int,
+        level: bool = False,
     ) -> list[ClaimedRow]:
         """Lock up to ``params['limit']`` due messages of ``params['queue_name']`` with ``params['token']``
         for ``visibility_ms``, oldest due first, and return them as they were due. Each backend has its
-        own shape (docs/internals.md, "the claim"); it runs in the transaction ``claim_mode_for`` begins."""
+        own shape (docs/internals.md, "the claim"); it runs in the transaction ``claim_mode_for`` begins.
+        ``level``: only messages of priority ``params['at_priority']``, through the priority index."""
         raise NotImplementedError
 
     def mark_claimed(
@@ -461,6 +468,11 @@ class Dialect:
     def any_of(self, column: sa.ColumnElement[Any], name: str) -> sa.ColumnElement[bool]:
         """``column`` is one of the values of the list bound as ``:name`` (``IN``, expanded per call)."""
         return column.in_(sa.bindparam(name, expanding=True))
+
+
+def at_level(messages: sa.FromClause, level: bool) -> tuple[sa.ColumnElement[bool], ...]:
+    """A claim's extra condition: with ``level``, only messages of priority ``:at_priority`` (none without)."""
+    return (messages.c.priority == sa.bindparam("at_priority", type_=sa.Integer),) if level else ()
 
 
 def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:

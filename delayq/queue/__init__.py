@@ -40,6 +40,8 @@ class DelayedQueue(_Offers, _Claims, _Queued, _DeadLetters):
             ``delayq_dead_letters`` in the connection's default schema.
         transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
         notify: on PostgreSQL, wake listening workers (NOTIFY) when an offer commits. True.
+        flow_refresh: how long a claimer keeps the queue's flow settings (``pause``, priorities) before it
+            reads them again: a pause counts within this long. 1 second by default; 0 reads them at every claim.
         max_deliveries: a claim that would deliver a message for the ``max_deliveries + 1``-th
             time moves it to the dead letters instead ("delivered N times without an outcome"):
             a message whose consumer dies every time does not come back forever. None (no cap)

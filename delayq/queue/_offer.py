@@ -11,8 +11,8 @@ from delayq import history, observe
 from delayq.dialects import Dialect, Statements
 from delayq.dialects.base import NewRow
 from delayq.messages import OfferOutcome
-from delayq.queue._base import _QueueBase
 from delayq.queue._checks import At, _due, check_key
+from delayq.queue._flow import _Flow, check_priority
 from delayq.serializers import encode
 from delayq.transactions import Using
 
@@ -23,11 +23,18 @@ _Item = tuple[str, bytes, int | None, int | None]
 """An offered message, validated and encoded: (key, payload, due at in epoch ms, or due in ms from now)."""
 
 
-class _Offers(_QueueBase):
+class _Offers(_Flow):
     """``offer`` and ``offer_many`` of ``DelayedQueue``."""
 
     def offer(
-        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: Using = None
+        self,
+        key: str,
+        payload: Any,
+        at: At = None,
+        *,
+        update: bool = False,
+        priority: int = 0,
+        using: Using = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists in the queue.
 
@@ -35,34 +42,49 @@ class _Offers(_QueueBase):
         attempts and error are reset, and a consumer's lock on it is cleared, so that
         consumer's ack deletes nothing). Replacing with identical content is ``IGNORED``;
         a relative ``at`` is measured from now, so it differs on every call.
+
+        ``priority`` (from -1000 to 1000, default 0): claims take due messages of a higher priority
+        first (docs/workers.md, "Priorities"); a replacement sets it too.
         """
         params = self._offer_params(key, payload, at)
+        params["offer_priority"] = check_priority(priority)
         with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
 
             def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
                 outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
                 if headers and outcome is not OfferOutcome.IGNORED:
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
+                if priority and outcome is OfferOutcome.CREATED:  # (a replacement set it)
+                    self._set_priorities(conn, dialect, [params["msg_key"]], priority)
                 return outcome
 
-            outcome = self._runner.run(using, op, "statement" if not (update or headers) else "transaction")
+            simple = not (update or headers or priority)
+            outcome = self._runner.run(using, op, "statement" if simple else "transaction")
+        self._priorities_set(priority, using)
         observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
         return outcome
 
     def offer_many(
-        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
+        self,
+        items: Iterable[tuple[str, Any, At]],
+        *,
+        update: bool = False,
+        priority: int = 0,
+        using: Using = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
 
         All items are validated first: a bad one raises before anything is written. A key
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``).
+        or ``UPDATED`` with ``update=True``). ``priority``: every item's (see ``offer``).
         """
+        check_priority(priority)
         prepared = [self._item(key, payload, at) for key, payload, at in items]
         if not prepared:
             return []
         with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using)
+            found = self._offer_prepared(prepared, update, headers, using, priority)
+        self._priorities_set(priority, using)
         observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
         return found
 
@@ -72,7 +94,7 @@ class _Offers(_QueueBase):
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
     def _offer_prepared(
-        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using
+        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using, priority: int = 0
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
@@ -94,7 +116,9 @@ class _Offers(_QueueBase):
             for i, item in enumerate(prepared):
                 if outcomes[i] is None:
                     outcomes[i] = (
-                        self._offer_one(conn, dialect, stmts, self._item_params(item), update=True)
+                        self._offer_one(
+                            conn, dialect, stmts, {**self._item_params(item), "offer_priority": priority}, True
+                        )
                         if update
                         else OfferOutcome.IGNORED
                     )
@@ -102,6 +126,10 @@ class _Offers(_QueueBase):
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
+            if priority:  # the created ones (a replacement set it)
+                new_keys = [key for key, o in zip(keys, outcomes, strict=True) if o is OfferOutcome.CREATED]
+                if new_keys:
+                    self._set_priorities(conn, dialect, new_keys, priority)
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
@@ -154,6 +182,7 @@ class _Offers(_QueueBase):
                     "payload_type": params["payload_type"],
                     "new_scheduled_at": due,
                     "new_created_at": row.now,
+                    "new_priority": params.get("offer_priority", 0),
                 },
             ).rowcount
             if swapped == 1:
