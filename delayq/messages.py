@@ -88,6 +88,17 @@ class FlowState:
     """Claims take nothing (offers are still stored)."""
     priorities: bool = False
     """Some offer set a priority: claims take the highest priority first, one level at a time."""
+    concurrency: int | None = None
+    """At most this many of its messages held under an unexpired lock at once, across all claimers; None: no limit."""
+    rate: int | None = None
+    """At most this many claims per ``rate_period`` across all claimers (a token bucket); None: no limit."""
+    rate_period: dt.timedelta | None = None
+    """The period of ``rate``."""
+
+    @property
+    def limited(self) -> bool:
+        """Whether claims must lock the flow row: a concurrency or rate limit is set."""
+        return self.concurrency is not None or self.rate is not None
 
 
 class _Owner(Protocol):

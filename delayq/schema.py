@@ -132,14 +132,21 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("installed_until", sa.BigInteger, nullable=True),
         **TABLE_OPTIONS,
     )
-    # One row per queue whose flow was ever set: paused or not, and whether it was ever offered a priority
-    # (its claims then take one priority level at a time). Claimers cache it (``DelayedQueue(flow_refresh=)``).
+    # One row per queue whose flow was ever set: paused or not, whether it was ever offered a priority (its
+    # claims then take one priority level at a time), its concurrency limit, its rate limit (``rate`` claims per
+    # ``rate_period_ms``) and that limit's token bucket (``tokens`` as of ``tokens_at``, database time).
+    # Claimers cache it (``DelayedQueue(flow_refresh=)``); a limited queue's claims lock it.
     flow = sa.Table(
         f"{prefix}queue_flow",
         md,
         sa.Column("queue", name_type(MAX_QUEUE_LENGTH), primary_key=True),
         sa.Column("paused", sa.SmallInteger, nullable=False, server_default="0"),
         sa.Column("priorities", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("concurrency", sa.Integer, nullable=True),
+        sa.Column("rate", sa.Integer, nullable=True),
+        sa.Column("rate_period_ms", sa.BigInteger, nullable=True),
+        sa.Column("tokens", sa.Double(), nullable=True),
+        sa.Column("tokens_at", sa.BigInteger, nullable=True),
         sa.Column("updated_at", sa.BigInteger, nullable=False),
         **TABLE_OPTIONS,
     )

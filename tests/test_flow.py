@@ -1,4 +1,5 @@
-"""Flow control, enforced by the database: priorities, pause and resume (docs/workers.md, "Flow control").
+"""Flow control, enforced by the database: priorities, pause and resume, concurrency and rate limits
+(docs/workers.md, "Flow control").
 
 Every test runs on the three backends. Time that matters is the manual clock's; waits are bounded,
 never asserted on.
@@ -7,13 +8,19 @@ never asserted on.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, facade_queue
+from conftest import REPO_ROOT, Backend, facade_queue
 from test_worker import handler_for, wait_until
 
 from delayq import DelayedQueue, FlowState, InvalidInputError, ManualClock, Worker
@@ -279,3 +286,229 @@ def test_the_pause_shows_in_top_and_in_the_metrics(engine: sa.Engine, queue_name
     [row] = Top(engine, only=[queue_name]).snapshot().queues
     assert row.paused
     render(Top(engine, only=[queue_name]).snapshot())  # the view draws it
+
+
+# -- concurrency and rate limits -------------------------------------------------------------------------------
+
+
+def overlap(history: list[tuple[int, str, str]]) -> int:
+    """The most handlers between their start and their end at once, from (ns, event, key) records."""
+    running = most = 0
+    for _, event, _ in sorted(history, key=lambda h: (h[0], h[1] == "start")):  # an end before a start at a tie
+        running += 1 if event == "start" else -1
+        most = max(most, running)
+    return most
+
+
+def test_a_concurrency_limit_holds_across_claimers_and_an_expired_lock_stops_counting(
+    flow_queue: Callable[..., DelayedQueue], clock: ManualClock
+) -> None:
+    q = flow_queue()
+    other = flow_queue()
+    q.offer_many([(f"k{i}", i, None) for i in range(10)])
+    q.set_concurrency_limit(3)
+    assert q.flow().concurrency == 3
+    held = q.try_poll_many(2)
+    assert len(held) == 2
+    assert len(other.try_poll_many(10)) == 1  # one slot left
+    assert q.try_poll_many(10) == [] and other.try_poll_many(1) == []
+    assert q.next_due() == dt.timedelta(minutes=1)  # when the first held lock expires
+    held[0].ack()
+    assert len(other.try_poll_many(10)) == 1
+    clock.advance(dt.timedelta(minutes=2))  # every lock expired: none counts, and they are due again
+    assert len(q.try_poll_many(10)) == 3
+    q.set_concurrency_limit(None)
+    assert len(other.try_poll_many(10)) == 6  # the rest (9 left, 3 held): nothing held back
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InvalidInputError, match="concurrency limit"):
+            q.set_concurrency_limit(bad)  # type: ignore[arg-type]
+
+
+def test_threads_claiming_under_a_limit_of_two_never_run_more_than_two(
+    backend: Backend, engine: sa.Engine, queue_name: str
+) -> None:
+    """Six threads, each its own claimer asking for up to 4: handlers (start and end recorded after the claim and
+    before the ack) never overlap more than the limit, and every message runs once."""
+    DelayedQueue(engine, queue_name).offer_many([(f"k{i:02}", i, None) for i in range(40)])
+    DelayedQueue(engine, queue_name).set_concurrency_limit(2)
+    history: list[tuple[int, str, str]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        q = DelayedQueue(engine, queue_name, flow_refresh=dt.timedelta(0))
+        try:
+            idle = 0
+            while idle < 50:
+                batch = q.try_poll_many(4)
+                if not batch:
+                    idle += 1 if q.stats().ready == 0 and q.stats().in_flight == 0 else 0
+                    time.sleep(0.005)
+                    continue
+                for d in batch:
+                    with lock:
+                        history.append((time.monotonic_ns(), "start", d.key))
+                time.sleep(0.01)
+                for d in batch:
+                    with lock:
+                        history.append((time.monotonic_ns(), "end", d.key))
+                q.ack_many(batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert sorted(k for _, e, k in history if e == "start") == [f"k{i:02}" for i in range(40)]
+    assert overlap(history) <= 2
+
+
+def test_a_rate_limit_gives_n_claims_per_period_on_the_injected_clock(
+    flow_queue: Callable[..., DelayedQueue], clock: ManualClock
+) -> None:
+    """50 per second over 5 s of the manual clock, in steps of 50 ms, two claimers draining at each step:
+    250 claims in all, never more than 50 in any second (the bucket starts empty when the limit is set)."""
+    q, other = flow_queue(), flow_queue()
+    q.offer_many([(f"k{i:03}", i, dt.timedelta(seconds=-1)) for i in range(400)])
+    q.set_rate_limit(50, SECOND)
+    assert q.flow().rate == 50 and q.flow().rate_period == SECOND
+    per_step: list[int] = []
+    for _ in range(100):
+        clock.advance(dt.timedelta(milliseconds=50))
+        n = 0
+        while got := len(q.try_poll_many(7)) + len(other.try_poll_many(7)):
+            n += got
+        per_step.append(n)
+    assert sum(per_step) == 250
+    assert max(sum(per_step[i : i + 20]) for i in range(len(per_step) - 19)) <= 50
+    assert q.try_poll_many(10) == []
+    assert q.next_due() is not None and q.next_due() <= dt.timedelta(milliseconds=20)  # the next token
+    q.set_rate_limit(None)
+    assert len(q.try_poll_many(200)) == 150
+    with pytest.raises(InvalidInputError, match="per"):
+        q.set_rate_limit(5, dt.timedelta(0))
+
+
+def test_limits_and_running_counts_show_in_stats_json(backend: Backend, queue_name: str) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from delayq.cli import main
+
+    runner = CliRunner()
+    base = ["--url", backend.url]
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"k{i}", i, None) for i in range(3)])
+    out = runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "2", "--rate", "10", "--per", "1m"])
+    assert out.exit_code == 0, out.output
+    assert out.output.strip() == f"{queue_name}: concurrency 2, rate 10 per 1m 00s"
+    q.set_rate_limit(None)
+    assert len(q.try_poll_many(3)) == 2
+    [shown] = json.loads(runner.invoke(main, [*base, "stats", queue_name, "--json"]).output)
+    assert (shown["running"], shown["concurrency_limit"], shown["rate_limit"], shown["ready"]) == (2, 2, None, 1)
+    assert runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "none"]).exit_code == 0
+    assert q.flow().concurrency is None
+    bad = runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "0"])
+    assert bad.exit_code != 0 and "--concurrency" in bad.output
+    assert runner.invoke(main, [*base, "limit", queue_name]).exit_code != 0
+
+
+# -- real worker processes -------------------------------------------------------------------------------------
+
+
+def start_flow_worker(
+    backend: Backend, queue: str, history: Path, *, seconds: float, concurrency: int = 8, visibility: float = 30.0
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DELAYQ_URL": backend.url,
+        "DELAYQ_TEST_QUEUE": queue,
+        "DELAYQ_TEST_HISTORY": str(history),
+        "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
+        "DELAYQ_TEST_VISIBILITY": str(visibility),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
+    }
+    command = [sys.executable, "-m", "delayq.cli", "worker", "flow_app:handlers", "--concurrency", str(concurrency)]
+    return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def read_history(directory: Path) -> list[tuple[int, str, str]]:
+    found: list[tuple[int, str, str]] = []
+    for path in directory.glob("*.log"):
+        for line in path.read_text().splitlines():
+            event, key, ns = line.split()
+            found.append((int(ns), event, key))
+    return found
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.slow
+def test_three_worker_processes_of_eight_slots_limited_to_two_never_run_more_than_two(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.set_concurrency_limit(2)
+    q.offer_many([(f"k{i:02}", i, None) for i in range(24)])
+    for _ in range(3):
+        processes.append(start_flow_worker(backend, queue_name, tmp_path, seconds=0.1))
+    wait_until(lambda: q.stats().ready + q.stats().in_flight == 0 and len(read_history(tmp_path)) == 48, "all", 240)
+    history = read_history(tmp_path)
+    assert sorted(k for _, e, k in history if e == "start") == [f"k{i:02}" for i in range(24)]
+    assert overlap(history) <= 2
+
+
+@pytest.mark.slow
+def test_a_killed_workers_slots_free_once_its_locks_expire(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Under a limit of 2, a worker SIGKILLed while it runs two handlers holds both slots until their locks
+    expire (2 s); then another worker runs everything, the two included: nothing is lost."""
+    q = DelayedQueue(backend.engine, queue_name)
+    q.set_concurrency_limit(2)
+    q.offer_many([(f"k{i}", i, None) for i in range(6)])
+    doomed = start_flow_worker(backend, queue_name, tmp_path, seconds=120, visibility=2.0)
+    processes.append(doomed)
+    wait_until(lambda: len(read_history(tmp_path)) == 2, "two handlers to start", 60)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    assert q.stats().in_flight + q.stats().expired_locks == 2
+    survivor = start_flow_worker(backend, queue_name, tmp_path, seconds=0.0, visibility=2.0)
+    processes.append(survivor)
+    wait_until(lambda: q.stats().ready + q.stats().in_flight + q.stats().expired_locks == 0, "all handled", 120)
+    ends = [k for _, e, k in read_history(tmp_path) if e == "end"]
+    assert sorted(ends) == [f"k{i}" for i in range(6)]
+
+
+@pytest.mark.slow
+def test_a_rate_limit_of_50_per_second_starts_about_250_in_5_seconds(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Three worker processes of eight slots, 50 claims per second, 600 messages: the starts in the 5 s that
+    begin 1 s after the first one (past the bucket's first period, whose burst is at most 50) number 225 to
+    275. Counted from the handlers' history; the wait is bounded, not asserted on."""
+    q = DelayedQueue(backend.engine, queue_name)
+    q.set_rate_limit(50, SECOND)
+    q.offer_many([(f"k{i:03}", i, None) for i in range(600)])
+    for _ in range(3):
+        processes.append(start_flow_worker(backend, queue_name, tmp_path, seconds=0.01))
+
+    def starts() -> list[int]:
+        return sorted(ns for ns, e, _ in read_history(tmp_path) if e == "start")
+
+    wait_until(lambda: bool(starts()) and starts()[-1] - starts()[0] > 6.5e9, "6.5 s of starts", 120)
+    first = starts()[0]
+    window = [ns for ns in starts() if first + 1e9 <= ns < first + 6e9]
+    assert 225 <= len(window) <= 275, len(window)

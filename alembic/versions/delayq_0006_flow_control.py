@@ -1,8 +1,9 @@
-"""delayq: message priorities and per-queue flow settings (pause)
+"""delayq: message priorities and per-queue flow settings (pause, concurrency and rate limits)
 
 Adds ``messages.priority`` (0 unless an offer sets one) with the index ``(queue, priority,
 scheduled_at, id)`` a priority claim walks one priority level at a time, and ``{prefix}queue_flow``:
-one row per queue whose flow was ever set (paused, or offered a priority), read by claimers and
+one row per queue whose flow was ever set (paused, offered a priority, limited: its concurrency limit,
+its rate limit and that limit's token bucket), read by claimers and
 cached for at most ``DelayedQueue(flow_refresh=...)``. Additive: existing rows get priority 0.
 
 Revision ID: delayq_0006
@@ -42,6 +43,11 @@ def upgrade() -> None:
         sa.Column("queue", name_type(100), primary_key=True),
         sa.Column("paused", sa.SmallInteger, nullable=False, server_default="0"),
         sa.Column("priorities", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("concurrency", sa.Integer, nullable=True),
+        sa.Column("rate", sa.Integer, nullable=True),
+        sa.Column("rate_period_ms", sa.BigInteger, nullable=True),
+        sa.Column("tokens", sa.Double(), nullable=True),
+        sa.Column("tokens_at", sa.BigInteger, nullable=True),
         sa.Column("updated_at", sa.BigInteger, nullable=False),
         schema=schema,
         **TABLE_OPTIONS,

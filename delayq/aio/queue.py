@@ -133,6 +133,16 @@ class AsyncDelayedQueue:
         """Resume the queue; see ``DelayedQueue.resume``."""
         await self._run(using, lambda u: self.sync.resume(using=u))
 
+    async def set_concurrency_limit(self, limit: int | None, *, using: AsyncUsing = None) -> None:
+        """Limit how many of the queue's messages run at once; see ``DelayedQueue.set_concurrency_limit``."""
+        await self._run(using, lambda u: self.sync.set_concurrency_limit(limit, using=u))
+
+    async def set_rate_limit(
+        self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: AsyncUsing = None
+    ) -> None:
+        """Limit the queue's claims per period; see ``DelayedQueue.set_rate_limit``."""
+        await self._run(using, lambda u: self.sync.set_rate_limit(limit, per, using=u))
+
     async def flow(self, *, using: AsyncUsing = None) -> FlowState:
         """The queue's flow settings as stored now; see ``DelayedQueue.flow``."""
         return await self._run(using, lambda u: self.sync.flow(using=u))

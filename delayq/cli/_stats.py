@@ -51,6 +51,10 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
                         "dead": s.dead,
                         "paused": flow.paused,
                         "priorities": flow.priorities,
+                        "running": s.in_flight,
+                        "concurrency_limit": flow.concurrency,
+                        "rate_limit": flow.rate,
+                        "rate_period_s": None if flow.rate_period is None else flow.rate_period.total_seconds(),
                         "oldest_due_age_s": None
                         if s.oldest_due_age is None
                         else round(s.oldest_due_age.total_seconds(), 1),
@@ -61,7 +65,8 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
             click.echo(dt.datetime.now().strftime("%H:%M:%S"))
         if not as_json:
             for r in rows:
-                r.pop("priorities")
+                for hidden in ("priorities", "running", "concurrency_limit", "rate_limit", "rate_period_s"):
+                    r.pop(hidden)
                 r["paused"] = "paused" if r["paused"] else ""
                 age = r.pop("oldest_due_age_s")
                 r["oldest_due"] = None if age is None else human(dt.timedelta(seconds=age))

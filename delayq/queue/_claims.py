@@ -54,8 +54,8 @@ class _Claims(_Flow):
             token = self._claiming = new_token(now.get("now"))
             tokens.append(token)
             params = {"queue_name": self.name, "limit": limit, "token": token, **now}
-            if flow.priorities:
-                return self._claim_levels(conn, dialect, self._statements(dialect), params)
+            if flow.priorities or flow.limited:
+                return self._claim_flowing(conn, dialect, self._statements(dialect), params, flow)
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
         self._claiming = None
@@ -63,7 +63,8 @@ class _Claims(_Flow):
         owned = (using is None or isinstance(using, Engine)) and self._runner.dialect.unseen_commits
         try:
             dialect = self._runner.dialect
-            mode = self._levels_mode(dialect, limit) if flow.priorities else dialect.claim_mode_for(limit)
+            flowing = flow.priorities or flow.limited
+            mode = self._levels_mode(dialect, limit) if flowing else dialect.claim_mode_for(limit)
             rows = self._runner.run(using, op, mode)
         except DBAPIError as exc:
             # A lost connection may have lost a COMMIT's reply only; an error the server sent rolled back.
@@ -126,17 +127,21 @@ class _Claims(_Flow):
         """How long until this queue's next message is due (zero when one is due now); None when empty.
 
         A held message counts at its lock's expiry, when it would be delivered again. None while the
-        queue is paused (as its claims see it: ``flow_refresh``).
+        queue is paused (as its claims see it: ``flow_refresh``); while a concurrency or rate limit holds
+        claims back, not before the limit could let one through (a held lock's expiry, the next token).
         """
-        if self._cached_flow(using).paused:
+        flow = self._cached_flow(using)
+        if flow.paused:
             return None
+        held_back = self._until_limit_frees(using) if flow.limited else None
         params = {"queue_name": self.name, **self._now_param()}
 
         def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
             row = conn.execute(self._statements(dialect).next_due, params).one()
             if row.next_due is None:
                 return None
-            return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
+            due = dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
+            return due if held_back is None else max(due, held_back)
 
         return self._runner.run(using, op, "read")
 

@@ -9,17 +9,30 @@ statement, and read the row again each time, so a resume counts at the next clai
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from delayq.clock import duration_ms
 from delayq.dialects import ClaimedRow, Dialect, Mode, Statements
 from delayq.errors import InvalidInputError
 from delayq.messages import FlowState
 from delayq.queue._base import _QueueBase
 from delayq.transactions import Using
+
+
+def _check_limit(limit: object, what: str) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidInputError(f"a {what} must be a positive integer or None, got {limit!r}")
+    if limit > 2**31 - 1:
+        raise InvalidInputError(f"a {what} must be at most {2**31 - 1}, got {limit}")
+    return limit
+
 
 MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
@@ -41,7 +54,32 @@ class _FlowStatements:
     def __init__(self, stmts: Statements) -> None:
         flow, m = stmts.tables.flow, stmts.tables.messages
         queue = sa.bindparam("queue_name", type_=sa.String)
-        self.read = sa.select(flow.c.paused, flow.c.priorities).where(flow.c.queue == queue)
+        settings = (flow.c.paused, flow.c.priorities, flow.c.concurrency, flow.c.rate, flow.c.rate_period_ms)
+        self.read = sa.select(*settings).where(flow.c.queue == queue)
+        # A limited queue's claim: its row locked (claims of the queue take turns here), with its bucket and now.
+        bucket = (flow.c.tokens, flow.c.tokens_at, stmts.now.label("now"))
+        self.lock = sa.select(*settings, *bucket).where(flow.c.queue == queue).with_for_update()
+        self.bucket = sa.select(*settings, *bucket).where(flow.c.queue == queue)
+        self.spend = (
+            sa.update(flow)
+            .where(flow.c.queue == queue)
+            .values(tokens=sa.bindparam("new_tokens", type_=sa.Double()), tokens_at=sa.bindparam("at"))
+        )
+        # The queue's messages held under a lock that has not expired (an expired one no longer counts): through
+        # the lock-token index, whose non-NULL entries are the held messages of all queues (a few: each is a
+        # running handler's, or one whose consumer died and whose next claim is due).
+        held = (
+            sa.select(sa.func.count().label("running"), sa.func.min(m.c.scheduled_at).label("first_expiry"))
+            .with_hint(m, f"FORCE INDEX ({m.name}_lock_ix)", dialect_name="mysql")
+            .where(
+                m.c.lock_token.is_not(None),
+                m.c.lock_token > "",  # (SQLite uses an index for a range, not for IS NOT NULL)
+                # (wrapped: no index on the queue or the due time may serve this, whatever the statistics)
+                sa.func.coalesce(m.c.queue, m.c.queue) == queue,
+                sa.func.coalesce(m.c.scheduled_at, m.c.scheduled_at) > stmts.now,
+            )
+        )
+        self.running = held
         # The highest priority below :below among the queue's messages: one probe of the priority index (as an
         # ORDER BY … LIMIT 1, not max(): PostgreSQL's planner on stale statistics answers max() from a scan of
         # the queue's rows, while the claim's transaction, its sorting off, must walk the index for this).
@@ -59,12 +97,13 @@ class _FlowStatements:
         )
 
     @staticmethod
-    def upsert(dialect: Dialect, stmts: Statements, column: str) -> sa.Executable:
-        """Insert the queue's flow row with ``column`` set to ``:value``, or set it in the row that exists."""
+    def upsert(dialect: Dialect, stmts: Statements, columns: tuple[str, ...]) -> sa.Executable:
+        """Insert the queue's flow row with each of ``columns`` set to ``:v_{column}``, or set them in the row
+        that exists (``ON CONFLICT … DO UPDATE`` / ``ON DUPLICATE KEY UPDATE``: one statement, no race)."""
         flow = stmts.tables.flow
-        value = sa.bindparam("value", type_=sa.SmallInteger)
-        defaults: dict[str, Any] = {"paused": 0, "priorities": 0, column: value}
-        return dialect.topic_upsert(flow, ["queue"], {column: value, "updated_at": stmts.now}).values(
+        values: dict[str, Any] = {c: sa.bindparam(f"v_{c}", type_=flow.c[c].type) for c in columns}
+        defaults: dict[str, Any] = {"paused": 0, "priorities": 0, **values}
+        return dialect.topic_upsert(flow, ["queue"], {**values, "updated_at": stmts.now}).values(
             queue=sa.bindparam("queue_name", type_=sa.String), updated_at=stmts.now, **defaults
         )
 
@@ -73,8 +112,21 @@ def _flow_statements(stmts: Statements) -> _FlowStatements:
     return _FlowStatements(stmts)
 
 
-def _upsert(stmts: Statements, dialect: Dialect, column: str) -> sa.Executable:
-    return _FlowStatements.upsert(dialect, stmts, column)
+def _upsert(stmts: Statements, dialect: Dialect, columns: tuple[str, ...]) -> sa.Executable:
+    return _FlowStatements.upsert(dialect, stmts, columns)
+
+
+def _state(row: Any) -> FlowState:
+    period = None if row.rate_period_ms is None else dt.timedelta(milliseconds=int(row.rate_period_ms))
+    return FlowState(bool(row.paused), bool(row.priorities), row.concurrency, row.rate, period)
+
+
+def _refilled(row: Any) -> float:
+    """The tokens of a rate-limited queue's bucket now: what it held at ``tokens_at``, plus ``rate`` per period
+    since, at most ``rate`` (one period's worth)."""
+    rate, period = int(row.rate), max(1, int(row.rate_period_ms))
+    elapsed = max(0, int(row.now) - int(row.tokens_at if row.tokens_at is not None else row.now))
+    return min(float(rate), float(row.tokens or 0.0) + elapsed * rate / period)
 
 
 class _Flow(_QueueBase):
@@ -89,12 +141,37 @@ class _Flow(_QueueBase):
         Stored in the database (it outlives every process). Offers are still accepted; messages held
         already run to their end. ``resume`` ends it.
         """
-        self._set_flow("paused", 1, using)
+        self._set_flow({"paused": 1}, using)
 
     def resume(self, *, using: Using = None) -> None:
         """End a pause: claimers take messages again at their next claim (on PostgreSQL, listening
         workers are woken at once)."""
-        self._set_flow("paused", 0, using)
+        self._set_flow({"paused": 0}, using, wake=True)
+
+    def set_concurrency_limit(self, limit: int | None, *, using: Using = None) -> None:
+        """At most ``limit`` of this queue's messages held at once across every claimer (None: no limit).
+
+        Counted from the database at each claim: messages held under a lock that has not expired (a
+        consumer that died stops counting once its lock expires). Stored (it outlives every process);
+        claimers take it up within their ``flow_refresh``. Messages held already are not taken back.
+        """
+        self._set_flow({"concurrency": _check_limit(limit, "concurrency limit")}, using, wake=True)
+
+    def set_rate_limit(
+        self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: Using = None
+    ) -> None:
+        """At most ``limit`` claims of this queue's messages per ``per``, across every claimer (None: no limit).
+
+        A token bucket in the database: ``limit`` tokens per ``per``, refilled from the database's clock
+        (or the injected one), holding at most ``limit``; each claimed message takes one. Setting it
+        empties the bucket, so the first ``per`` after it gives ``limit`` claims, not more.
+        """
+        n = _check_limit(limit, "rate limit")
+        period = duration_ms(per, "per")
+        if period <= 0:
+            raise InvalidInputError("a rate limit's per must be positive")
+        values = {"rate": n, "rate_period_ms": None if n is None else period, "tokens": 0.0}
+        self._set_flow(values, using, wake=True, stamp_tokens=True)
 
     def flow(self, *, using: Using = None) -> FlowState:
         """The queue's flow settings as stored now (no cache)."""
@@ -102,22 +179,25 @@ class _Flow(_QueueBase):
 
         def op(conn: Connection, dialect: Dialect) -> FlowState:
             row = conn.execute(self._statements(dialect).memo(_flow_statements).read, params).first()
-            return FlowState() if row is None else FlowState(bool(row.paused), bool(row.priorities))
+            return FlowState() if row is None else _state(row)
 
         state = self._runner.run(using, op, "read")
         self._remember_flow(state)
         return state
 
-    def _set_flow(self, column: str, value: int, using: Using) -> None:
-        params = {"queue_name": self.name, "value": value, **self._now_param()}
+    def _set_flow(self, values: dict[str, Any], using: Using, wake: bool = False, stamp_tokens: bool = False) -> None:
+        columns = tuple(values)
+        params = {"queue_name": self.name, **{f"v_{c}": v for c, v in values.items()}, **self._now_param()}
 
         def op(conn: Connection, dialect: Dialect) -> None:
             stmts = self._statements(dialect)
-            conn.execute(stmts.memo(_upsert, dialect, column), params)
-            if column == "paused" and not value and stmts.notify is not None:
+            if stamp_tokens:  # the bucket is empty as of now (database time)
+                params["v_tokens_at"] = self._now_ms(conn, stmts)
+            conn.execute(stmts.memo(_upsert, dialect, columns + (("tokens_at",) if stamp_tokens else ())), params)
+            if wake and stmts.notify is not None:
                 conn.execute(stmts.notify, params)  # wake listening workers now
 
-        self._runner.run(using, op, "statement" if column != "paused" or value else "transaction")
+        self._runner.run(using, op, "transaction")
         self._flow_state = None  # read afresh at the next claim
 
     def _remember_flow(self, state: FlowState) -> None:
@@ -139,8 +219,8 @@ class _Flow(_QueueBase):
             params = {"queue_name": self.name, "keys": keys[start : start + 500], "new_priority": priority}
             conn.execute(fs.set_priority, params)
         if priority and not self._priorities_marked:
-            params = {"queue_name": self.name, "value": 1, **self._now_param()}
-            conn.execute(stmts.memo(_upsert, dialect, "priorities"), params)
+            params = {"queue_name": self.name, "v_priorities": 1, **self._now_param()}
+            conn.execute(stmts.memo(_upsert, dialect, ("priorities",)), params)
 
     _priorities_marked = False
 
@@ -168,6 +248,62 @@ class _Flow(_QueueBase):
             claimed += dialect.claim(conn, stmts, level_params, self._visibility_ms, level=True)
             below = int(level)
         return claimed
+
+    def _claim_flowing(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], flow: FlowState
+    ) -> list[ClaimedRow]:
+        """The claim of a queue with flow settings (as cached): with limits, under its flow row's lock."""
+        if not flow.limited:
+            return self._claim_at(conn, dialect, stmts, params, flow.priorities)
+        fs = stmts.memo(_flow_statements)
+        row = conn.execute(fs.lock, {"queue_name": self.name, **self._now_param()}).first()
+        if row is None:
+            return self._claim_at(conn, dialect, stmts, params, flow.priorities)
+        if row.paused:
+            return []
+        n = params["limit"]
+        if row.concurrency is not None:
+            n = min(n, int(row.concurrency) - int(conn.execute(fs.running, params).one().running))
+        tokens = _refilled(row) if row.rate is not None else 0.0
+        if row.rate is not None:
+            n = min(n, int(tokens))
+        if n <= 0:
+            return []
+        claimed = self._claim_at(conn, dialect, stmts, {**params, "limit": n}, bool(row.priorities))
+        if row.rate is not None:
+            conn.execute(fs.spend, {"queue_name": self.name, "new_tokens": tokens - len(claimed), "at": row.now})
+        return claimed
+
+    def _claim_at(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], levels: bool
+    ) -> list[ClaimedRow]:
+        """By priority level (``_claim_levels``) or the backend's one claim."""
+        if levels:
+            return self._claim_levels(conn, dialect, stmts, params)
+        return dialect.claim(conn, stmts, params, self._visibility_ms)
+
+    def _until_limit_frees(self, using: Using) -> dt.timedelta | None:
+        """For a limited queue (as cached): how long until a claim could take a message if the limit holds it
+        back now (its first held lock's expiry; the bucket's next token); None when the limit holds nothing back."""
+        params = {"queue_name": self.name, **self._now_param()}
+
+        def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
+            fs = self._statements(dialect).memo(_flow_statements)
+            row = conn.execute(fs.bucket, params).first()
+            if row is None or row.paused:
+                return None
+            waits: list[float] = []
+            if row.concurrency is not None:
+                held = conn.execute(fs.running, params).one()
+                if int(held.running) >= int(row.concurrency):
+                    waits.append(max(0, int(held.first_expiry) - int(row.now)))
+            if row.rate is not None:
+                tokens = _refilled(row)
+                if tokens < 1:
+                    waits.append((1 - tokens) * int(row.rate_period_ms) / int(row.rate))
+            return dt.timedelta(milliseconds=max(waits)) if waits else None
+
+        return self._runner.run(using, op, "read")
 
     @staticmethod
     def _levels_mode(dialect: Dialect, limit: int) -> Mode:
