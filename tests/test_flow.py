@@ -512,3 +512,14 @@ def test_a_rate_limit_of_50_per_second_starts_about_250_in_5_seconds(
     first = starts()[0]
     window = [ns for ns in starts() if first + 1e9 <= ns < first + 6e9]
     assert 225 <= len(window) <= 275, len(window)
+
+
+def test_a_spark_write_takes_a_priority_option() -> None:
+    from delayq.spark.options import SourceOptions
+
+    base = {"url": "sqlite:///delayq.db", "queue": "q"}
+    assert SourceOptions.parse(base).priority == 0
+    assert SourceOptions.parse({**base, "priority": "-7"}).priority == -7
+    for bad in ("high", "1001"):
+        with pytest.raises(InvalidInputError, match="priority"):
+            SourceOptions.parse({**base, "priority": bad})

@@ -15,6 +15,9 @@ from delayq.queue._checks import check_queue_name as check_queue_name
 from delayq.queue._checks import check_text as check_text
 from delayq.queue._claims import _Claims
 from delayq.queue._dead import _DeadLetters
+from delayq.queue._flow import MAX_PRIORITY as MAX_PRIORITY
+from delayq.queue._flow import MIN_PRIORITY as MIN_PRIORITY
+from delayq.queue._flow import check_priority as check_priority
 from delayq.queue._offer import OFFER_CHUNK as OFFER_CHUNK
 from delayq.queue._offer import _Offers
 from delayq.queue._queued import _Queued
