@@ -94,11 +94,15 @@ class FlowState:
     """At most this many claims per ``rate_period`` across all claimers (a token bucket); None: no limit."""
     rate_period: dt.timedelta | None = None
     """The period of ``rate``."""
+    grouped: bool = False
+    """Some offer named a group: at most ``group_concurrency`` of one group's messages held at once."""
+    group_concurrency: int = 1
+    """How many messages of one group may be held at once (with 1, a group's messages run in due order)."""
 
     @property
     def limited(self) -> bool:
-        """Whether claims must lock the flow row: a concurrency or rate limit is set."""
-        return self.concurrency is not None or self.rate is not None
+        """Whether claims must lock the flow row: a concurrency or rate limit is set, or groups were offered."""
+        return self.concurrency is not None or self.rate is not None or self.grouped
 
 
 class _Owner(Protocol):

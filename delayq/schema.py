@@ -97,6 +97,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("attempt_history", sa.Text, nullable=True),
         sa.Column("headers", sa.Text, nullable=True),
         sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("group_key", name_type(MAX_KEY_LENGTH), nullable=True),
         sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
         sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
         sa.Index(f"{prefix}messages_priority_ix", "queue", "priority", "scheduled_at", "id"),
@@ -134,7 +135,8 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
     )
     # One row per queue whose flow was ever set: paused or not, whether it was ever offered a priority (its
     # claims then take one priority level at a time), its concurrency limit, its rate limit (``rate`` claims per
-    # ``rate_period_ms``) and that limit's token bucket (``tokens`` as of ``tokens_at``, database time).
+    # ``rate_period_ms``) and that limit's token bucket (``tokens`` as of ``tokens_at``, database time), whether
+    # it was offered groups (``grouped``) and how many of one group may run at once (``group_concurrency``, 1).
     # Claimers cache it (``DelayedQueue(flow_refresh=)``); a limited queue's claims lock it.
     flow = sa.Table(
         f"{prefix}queue_flow",
@@ -147,6 +149,8 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("rate_period_ms", sa.BigInteger, nullable=True),
         sa.Column("tokens", sa.Double(), nullable=True),
         sa.Column("tokens_at", sa.BigInteger, nullable=True),
+        sa.Column("grouped", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("group_concurrency", sa.Integer, nullable=True),
         sa.Column("updated_at", sa.BigInteger, nullable=False),
         **TABLE_OPTIONS,
     )

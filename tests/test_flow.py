@@ -405,11 +405,12 @@ def test_limits_and_running_counts_show_in_stats_json(backend: Backend, queue_na
     q.offer_many([(f"k{i}", i, None) for i in range(3)])
     out = runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "2", "--rate", "10", "--per", "1m"])
     assert out.exit_code == 0, out.output
-    assert out.output.strip() == f"{queue_name}: concurrency 2, rate 10 per 1m 00s"
+    assert out.output.strip() == f"{queue_name}: concurrency 2, rate 10 per 1m 00s, group concurrency 1"
     q.set_rate_limit(None)
     assert len(q.try_poll_many(3)) == 2
     [shown] = json.loads(runner.invoke(main, [*base, "stats", queue_name, "--json"]).output)
     assert (shown["running"], shown["concurrency_limit"], shown["rate_limit"], shown["ready"]) == (2, 2, None, 1)
+    assert (shown["paused"], shown["grouped"], shown["group_concurrency"]) == (False, False, 1)
     assert runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "none"]).exit_code == 0
     assert q.flow().concurrency is None
     bad = runner.invoke(main, [*base, "limit", queue_name, "--concurrency", "0"])
@@ -523,3 +524,96 @@ def test_a_spark_write_takes_a_priority_option() -> None:
     for bad in ("high", "1001"):
         with pytest.raises(InvalidInputError, match="priority"):
             SourceOptions.parse({**base, "priority": bad})
+
+
+# -- groups ----------------------------------------------------------------------------------------------------
+
+
+def test_a_group_runs_one_message_at_a_time_in_due_order(
+    flow_queue: Callable[..., DelayedQueue], clock: ManualClock
+) -> None:
+    q, other = flow_queue(), flow_queue()
+    for g in "AB":
+        q.offer_many([(f"{g}{i}", i, dt.timedelta(seconds=-10 + i)) for i in range(3)], group=g)
+    q.offer("free", 0, dt.timedelta(seconds=-20))
+    assert q.flow().grouped and q.flow().group_concurrency == 1
+    first = q.try_poll_many(10)
+    assert [d.key for d in first] == ["free", "A0", "B0"]
+    assert other.try_poll_many(10) == []  # each group has its one running
+    assert other.next_due() == dt.timedelta(minutes=1)  # a worker waits for a held lock, not a 10 ms poll
+    first[1].ack()
+    assert [d.key for d in other.try_poll_many(10)] == ["A1"]
+    q.set_group_concurrency(2)
+    assert [d.key for d in q.try_poll_many(10)] == ["B1", "A2"]
+    # Every lock expired: they count no more, and are due again at their lock's expiry, so behind B2 (due
+    # before that): B takes B2 and B0 (of B0 and B1, expiring together, the first offered).
+    clock.advance(dt.timedelta(minutes=2))
+    assert sorted(d.key for d in other.try_poll_many(10)) == ["A1", "A2", "B0", "B2", "free"]
+    with pytest.raises(InvalidInputError, match="group"):
+        q.offer("bad", 0, group="")
+    with pytest.raises(InvalidInputError, match="group concurrency"):
+        q.set_group_concurrency(0)
+
+
+def test_threads_never_overlap_a_groups_messages_and_run_them_in_due_order(
+    backend: Backend, engine: sa.Engine, queue_name: str
+) -> None:
+    """Six threads claiming up to 3 at a time from 5 groups of 8 messages, group concurrency 1: from the history
+    recorded between claim and ack, no group has two running at once, and each group's start in due order."""
+    q = DelayedQueue(engine, queue_name)
+    for g in range(5):
+        q.offer_many([(f"g{g}-{i}", i, dt.timedelta(milliseconds=-1000 + 10 * i)) for i in range(8)], group=f"g{g}")
+    history: list[tuple[int, str, str]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        mine = DelayedQueue(engine, queue_name, flow_refresh=dt.timedelta(0))
+        try:
+            idle = 0
+            while idle < 50:
+                batch = mine.try_poll_many(3)
+                if not batch:
+                    idle += 1 if mine.stats().ready == 0 and mine.stats().in_flight == 0 else 0
+                    time.sleep(0.005)
+                    continue
+                for d in batch:
+                    with lock:
+                        history.append((time.monotonic_ns(), "start", d.key))
+                time.sleep(0.005)
+                for d in batch:
+                    with lock:
+                        history.append((time.monotonic_ns(), "end", d.key))
+                mine.ack_many(batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    check_groups(history, groups=5, each=8)
+
+
+def check_groups(history: list[tuple[int, str, str]], groups: int, each: int) -> None:
+    """Every message started once; per group, no two between start and end at once, and starts in due order."""
+    for g in range(groups):
+        mine = [h for h in history if h[2].startswith(f"g{g}-")]
+        assert overlap(mine) <= 1, sorted(mine)
+        starts = [k for _, e, k in sorted(mine) if e == "start"]
+        assert starts == [f"g{g}-{i}" for i in range(each)], starts
+
+
+@pytest.mark.slow
+def test_three_worker_processes_run_each_group_one_at_a_time_in_due_order(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    for g in range(4):
+        q.offer_many([(f"g{g}-{i}", i, dt.timedelta(milliseconds=-1000 + 10 * i)) for i in range(6)], group=f"g{g}")
+    for _ in range(3):
+        processes.append(start_flow_worker(backend, queue_name, tmp_path, seconds=0.05))
+    wait_until(lambda: len(read_history(tmp_path)) == 48, "all 24 handled", 240)
+    check_groups(read_history(tmp_path), groups=4, each=6)

@@ -266,7 +266,7 @@ def test_delayq_0005_keeps_the_rows_and_makes_trailing_spaces_count(backend: Bac
 
     prefix = "mig5_"
     m = make_tables(prefix).messages
-    copied = [c.name for c in m.c if c.name not in ("id", "key", "priority")]  # (priority: delayq_0006)
+    copied = [c.name for c in m.c if c.name not in ("id", "key", "priority", "group_key")]  # (delayq_0006 adds those)
 
     def copy_as(key: str) -> None:  # "job" again under another key, in one INSERT … SELECT
         rows = sa.select(sa.literal(key), *(m.c[c] for c in copied)).where(m.c.queue == "q", m.c.key == "job")
@@ -308,7 +308,7 @@ def test_delayq_0006_gives_existing_messages_priority_0_and_goes_down_again(back
 
     prefix = "mig6_"
     m = make_tables(prefix).messages
-    old = [c.name for c in m.c if c.name not in ("id", "priority")]
+    old = [c.name for c in m.c if c.name not in ("id", "priority", "group_key")]
     migrations.downgrade(backend.url, prefix=prefix)
     migrations.upgrade(backend.url, "delayq_0005", prefix=prefix)
     try:
@@ -326,7 +326,7 @@ def test_delayq_0006_gives_existing_messages_priority_0_and_goes_down_again(back
         migrations.downgrade(backend.url, "delayq_0005", prefix=prefix)
         with backend.engine.connect() as conn:
             names = {c["name"] for c in sa.inspect(conn).get_columns(f"{prefix}messages")}
-            assert "priority" not in names
+            assert "priority" not in names and "group_key" not in names
             assert not sa.inspect(conn).has_table(f"{prefix}queue_flow")
             assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 3
     finally:

@@ -105,11 +105,12 @@ class AsyncDelayedQueue:
         *,
         update: bool = False,
         priority: int = 0,
+        group: str | None = None,
         using: AsyncUsing = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists; see ``DelayedQueue.offer``."""
         return await self._run(
-            using, lambda u: self.sync.offer(key, payload, at, update=update, priority=priority, using=u)
+            using, lambda u: self.sync.offer(key, payload, at, update=update, priority=priority, group=group, using=u)
         )
 
     async def offer_many(
@@ -118,11 +119,14 @@ class AsyncDelayedQueue:
         *,
         update: bool = False,
         priority: int = 0,
+        group: str | None = None,
         using: AsyncUsing = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; see ``DelayedQueue.offer_many``."""
         listed = list(items)
-        return await self._run(using, lambda u: self.sync.offer_many(listed, update=update, priority=priority, using=u))
+        return await self._run(
+            using, lambda u: self.sync.offer_many(listed, update=update, priority=priority, group=group, using=u)
+        )
 
     # -- flow control ---------------------------------------------------------------------------
     async def pause(self, *, using: AsyncUsing = None) -> None:
@@ -136,6 +140,10 @@ class AsyncDelayedQueue:
     async def set_concurrency_limit(self, limit: int | None, *, using: AsyncUsing = None) -> None:
         """Limit how many of the queue's messages run at once; see ``DelayedQueue.set_concurrency_limit``."""
         await self._run(using, lambda u: self.sync.set_concurrency_limit(limit, using=u))
+
+    async def set_group_concurrency(self, limit: int, *, using: AsyncUsing = None) -> None:
+        """How many messages of one group may run at once; see ``DelayedQueue.set_group_concurrency``."""
+        await self._run(using, lambda u: self.sync.set_group_concurrency(limit, using=u))
 
     async def set_rate_limit(
         self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: AsyncUsing = None

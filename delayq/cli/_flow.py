@@ -55,12 +55,20 @@ def _limit(text: str | None, what: str) -> int | None:
 )
 @click.option("--rate", help="At most N claims per --per across all workers ('none': no limit).")
 @click.option("--per", "per_text", default="1s", show_default=True, help="The rate's period, e.g. 1s, 1m.")
+@click.option("--group-concurrency", type=click.IntRange(min=1), help="At most N of one group running at once.")
 @click.pass_context
 @friendly
-def limit(ctx: click.Context, queue: str, concurrency: str | None, rate: str | None, per_text: str) -> None:
+def limit(
+    ctx: click.Context,
+    queue: str,
+    concurrency: str | None,
+    rate: str | None,
+    per_text: str,
+    group_concurrency: int | None,
+) -> None:
     """Set QUEUE's concurrency and rate limits, stored in the database for every worker (see ``delayq stats``)."""
-    if concurrency is None and rate is None:
-        raise Fail("give --concurrency N and/or --rate N (each may be 'none')")
+    if concurrency is None and rate is None and group_concurrency is None:
+        raise Fail("give --concurrency N, --rate N (each may be 'none') and/or --group-concurrency N")
     per = parse_duration(per_text)
     with connect(ctx) as (engine, conn):
         conn.rollback()
@@ -69,8 +77,11 @@ def limit(ctx: click.Context, queue: str, concurrency: str | None, rate: str | N
             q.set_concurrency_limit(_limit(concurrency, "--concurrency"))
         if rate is not None:
             q.set_rate_limit(_limit(rate, "--rate"), per)
+        if group_concurrency is not None:
+            q.set_group_concurrency(group_concurrency)
         flow = q.flow()
     shown_rate = (
         "none" if flow.rate is None or flow.rate_period is None else f"{flow.rate} per {human(flow.rate_period)}"
     )
-    click.echo(f"{queue}: concurrency {flow.concurrency or 'none'}, rate {shown_rate}")
+    limits = f"concurrency {flow.concurrency or 'none'}, rate {shown_rate}"
+    click.echo(f"{queue}: {limits}, group concurrency {flow.group_concurrency}")

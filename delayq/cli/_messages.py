@@ -230,6 +230,7 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
 @click.option("--in", "in_text", help="How long from now it is due, e.g. 90s, 5m, 1h30m.")
 @click.option("--update", is_flag=True, help="Replace a message already under KEY.")
 @click.option("--priority", default=0, show_default=True, help="Higher is claimed first (-1000 to 1000).")
+@click.option("--group", help="At most the queue's group concurrency (1) of one group run at once, in due order.")
 @click.pass_context
 @friendly
 def enqueue(
@@ -241,6 +242,7 @@ def enqueue(
     in_text: str | None,
     update: bool,
     priority: int,
+    group: str | None,
 ) -> None:
     """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
     if at_text is not None and in_text is not None:
@@ -258,7 +260,7 @@ def enqueue(
     with connect(ctx) as (engine, conn):
         conn.rollback()
         q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
-        outcome = q.offer(key, value, at, update=update, priority=priority)
+        outcome = q.offer(key, value, at, update=update, priority=priority, group=group)
     click.echo(f"{queue} {key}: {outcome.value}")
 
 

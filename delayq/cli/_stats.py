@@ -55,6 +55,8 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
                         "concurrency_limit": flow.concurrency,
                         "rate_limit": flow.rate,
                         "rate_period_s": None if flow.rate_period is None else flow.rate_period.total_seconds(),
+                        "grouped": flow.grouped,
+                        "group_concurrency": flow.group_concurrency,
                         "oldest_due_age_s": None
                         if s.oldest_due_age is None
                         else round(s.oldest_due_age.total_seconds(), 1),
@@ -65,7 +67,8 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
             click.echo(dt.datetime.now().strftime("%H:%M:%S"))
         if not as_json:
             for r in rows:
-                for hidden in ("priorities", "running", "concurrency_limit", "rate_limit", "rate_period_s"):
+                hidden_columns = ("priorities", "running", "concurrency_limit", "rate_limit", "rate_period_s")
+                for hidden in (*hidden_columns, "grouped", "group_concurrency"):
                     r.pop(hidden)
                 r["paused"] = "paused" if r["paused"] else ""
                 age = r.pop("oldest_due_age_s")

@@ -144,6 +144,7 @@ class Statements:
                 attempt_history=None,
                 headers=None,
                 priority=_bp("new_priority", sa.Integer),
+                group_key=_bp("new_group", sa.String),
             )
         )
         self.mark_claimed = (

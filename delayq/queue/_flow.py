@@ -18,9 +18,12 @@ from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import duration_ms
 from delayq.dialects import ClaimedRow, Dialect, Mode, Statements
+from delayq.dialects.base import at_level, candidate_rows, claim_limit
 from delayq.errors import InvalidInputError
 from delayq.messages import FlowState
 from delayq.queue._base import _QueueBase
+from delayq.queue._checks import check_text
+from delayq.schema import MAX_KEY_LENGTH
 from delayq.transactions import Using
 
 
@@ -39,6 +42,13 @@ MAX_PRIORITY = 1000
 """The range of a message's priority; 0 unless an offer sets one. Higher is claimed first."""
 
 
+def check_group(group: object) -> str | None:
+    """Return a valid group name (or None) or raise ``InvalidInputError``."""
+    if group is None:
+        return None
+    return check_text(group, "group", MAX_KEY_LENGTH, InvalidInputError)
+
+
 def check_priority(priority: object) -> int:
     """Return a valid priority or raise ``InvalidInputError``."""
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -54,7 +64,15 @@ class _FlowStatements:
     def __init__(self, stmts: Statements) -> None:
         flow, m = stmts.tables.flow, stmts.tables.messages
         queue = sa.bindparam("queue_name", type_=sa.String)
-        settings = (flow.c.paused, flow.c.priorities, flow.c.concurrency, flow.c.rate, flow.c.rate_period_ms)
+        settings = (
+            flow.c.paused,
+            flow.c.priorities,
+            flow.c.concurrency,
+            flow.c.rate,
+            flow.c.rate_period_ms,
+            flow.c.grouped,
+            flow.c.group_concurrency,
+        )
         self.read = sa.select(*settings).where(flow.c.queue == queue)
         # A limited queue's claim: its row locked (claims of the queue take turns here), with its bucket and now.
         bucket = (flow.c.tokens, flow.c.tokens_at, stmts.now.label("now"))
@@ -68,18 +86,31 @@ class _FlowStatements:
         # The queue's messages held under a lock that has not expired (an expired one no longer counts): through
         # the lock-token index, whose non-NULL entries are the held messages of all queues (a few: each is a
         # running handler's, or one whose consumer died and whose next claim is due).
-        held = (
-            sa.select(sa.func.count().label("running"), sa.func.min(m.c.scheduled_at).label("first_expiry"))
-            .with_hint(m, f"FORCE INDEX ({m.name}_lock_ix)", dialect_name="mysql")
-            .where(
-                m.c.lock_token.is_not(None),
-                m.c.lock_token > "",  # (SQLite uses an index for a range, not for IS NOT NULL)
-                # (wrapped: no index on the queue or the due time may serve this, whatever the statistics)
-                sa.func.coalesce(m.c.queue, m.c.queue) == queue,
-                sa.func.coalesce(m.c.scheduled_at, m.c.scheduled_at) > stmts.now,
-            )
+        held_where = (
+            m.c.lock_token.is_not(None),
+            m.c.lock_token > "",  # (SQLite uses an index for a range, not for IS NOT NULL)
+            # (wrapped: no index on the queue or the due time may serve this, whatever the statistics)
+            sa.func.coalesce(m.c.queue, m.c.queue) == queue,
+            sa.func.coalesce(m.c.scheduled_at, m.c.scheduled_at) > stmts.now,
         )
-        self.running = held
+        lock_hint = f"FORCE INDEX ({m.name}_lock_ix)"
+        self.running = (
+            sa.select(sa.func.count().label("running"), sa.func.min(m.c.scheduled_at).label("first_expiry"))
+            .with_hint(m, lock_hint, dialect_name="mysql")
+            .where(*held_where)
+        )
+        # Per group: its messages held under an unexpired lock (the same walk of the lock-token index).
+        self.running_groups = (
+            sa.select(m.c.group_key, sa.func.count().label("running"))
+            .with_hint(m, lock_hint, dialect_name="mysql")
+            .where(*held_where, m.c.group_key.is_not(None))
+            .group_by(m.c.group_key)
+        )
+        self.set_group = (
+            sa.update(m)
+            .where(m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True)))
+            .values(group_key=sa.bindparam("new_group", type_=sa.String))
+        )
         # The highest priority below :below among the queue's messages: one probe of the priority index (as an
         # ORDER BY … LIMIT 1, not max(): PostgreSQL's planner on stale statistics answers max() from a scan of
         # the queue's rows, while the claim's transaction, its sorting off, must walk the index for this).
@@ -88,6 +119,17 @@ class _FlowStatements:
             .with_hint(m, f"FORCE INDEX ({m.name}_priority_ix)", dialect_name="mysql")
             .where(m.c.queue == queue, m.c.priority < sa.bindparam("below", type_=sa.Integer))
             .order_by(m.c.priority.desc())
+            .limit(1)
+        )
+        # Whether any message of one level is due (held by a claim in flight or not): one probe of the index.
+        self.due_at_level = (
+            sa.select(m.c.id)
+            .with_hint(m, f"FORCE INDEX ({m.name}_priority_ix)", dialect_name="mysql")
+            .where(
+                m.c.queue == queue,
+                m.c.priority == sa.bindparam("at_priority", type_=sa.Integer),
+                m.c.scheduled_at <= stmts.now,
+            )
             .limit(1)
         )
         self.set_priority = (
@@ -118,7 +160,39 @@ def _upsert(stmts: Statements, dialect: Dialect, columns: tuple[str, ...]) -> sa
 
 def _state(row: Any) -> FlowState:
     period = None if row.rate_period_ms is None else dt.timedelta(milliseconds=int(row.rate_period_ms))
-    return FlowState(bool(row.paused), bool(row.priorities), row.concurrency, row.rate, period)
+    per_group = int(row.group_concurrency or 1)
+    return FlowState(
+        bool(row.paused), bool(row.priorities), row.concurrency, row.rate, period, bool(row.grouped), per_group
+    )
+
+
+GROUP_SCAN = 500
+"""How many due messages a grouped queue's claim reads (per priority level) to find those whose group has room."""
+
+
+def _group_candidates(stmts: Statements, level: bool) -> sa.Select[Any]:
+    """The first ``GROUP_SCAN`` due messages of ``:queue_name`` (of one priority level with ``level``), read without
+    locks, in claim order: their ids and groups."""
+    m = stmts.tables.messages
+    index = f"{m.name}_priority_ix" if level else f"{m.name}_due_ix"
+    return (
+        sa.select(m.c.id, m.c.group_key)
+        .with_hint(m, f"FORCE INDEX ({index})", dialect_name="mysql")
+        .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        .where(*at_level(m, level))
+        .order_by(m.c.scheduled_at, m.c.id)
+        .limit(claim_limit(GROUP_SCAN))
+    )
+
+
+def _lock_picked(stmts: Statements) -> sa.Select[Any]:
+    """The picked messages ``:ids`` that are still due, locked by primary key, skipping those locked elsewhere."""
+    m = stmts.tables.messages
+    return (
+        candidate_rows(stmts)
+        .where(m.c.id.in_(sa.bindparam("ids", expanding=True)), m.c.scheduled_at <= stmts.now)
+        .with_for_update(skip_locked=True)
+    )
 
 
 def _refilled(row: Any) -> float:
@@ -156,6 +230,14 @@ class _Flow(_QueueBase):
         claimers take it up within their ``flow_refresh``. Messages held already are not taken back.
         """
         self._set_flow({"concurrency": _check_limit(limit, "concurrency limit")}, using, wake=True)
+
+    def set_group_concurrency(self, limit: int, *, using: Using = None) -> None:
+        """How many messages of one group (``offer(..., group=)``) may be held at once across every claimer;
+        1 by default, when a group's messages run one at a time in due order."""
+        n = _check_limit(limit, "group concurrency")
+        if n is None:
+            raise InvalidInputError("a group concurrency must be a positive integer")
+        self._set_flow({"group_concurrency": n}, using, wake=True)
 
     def set_rate_limit(
         self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: Using = None
@@ -210,6 +292,28 @@ class _Flow(_QueueBase):
             state = self.flow(using=using)
         return state
 
+    def _set_groups(self, conn: Connection, dialect: Dialect, keys: list[str], group: str) -> None:
+        """Put the messages just offered under ``keys`` in ``group``, and mark the queue as grouped (once per
+        queue object: the mark is never taken back)."""
+        stmts = self._statements(dialect)
+        fs = stmts.memo(_flow_statements)
+        for start in range(0, len(keys), 500):
+            params = {"queue_name": self.name, "keys": keys[start : start + 500], "new_group": group}
+            conn.execute(fs.set_group, params)
+        if not self._groups_marked:
+            mark = {"queue_name": self.name, "v_grouped": 1, **self._now_param()}
+            conn.execute(stmts.memo(_upsert, dialect, ("grouped",)), mark)
+
+    _groups_marked = False
+    _groups_full = False
+    """The last claim found due messages, all of groups that had no room."""
+
+    def _groups_set(self, group: str | None, using: Using) -> None:
+        """After an offer in delayq's own transaction committed with ``group``: the queue's mark is stored."""
+        if group is not None and not self._groups_marked and (using is None or isinstance(using, Engine)):
+            self._groups_marked = True
+            self._flow_state = None
+
     def _set_priorities(self, conn: Connection, dialect: Dialect, keys: list[str], priority: int) -> None:
         """Give the messages just offered under ``keys`` their priority, and mark the queue as having priorities
         (once per queue object: the mark is never taken back)."""
@@ -245,7 +349,12 @@ class _Flow(_QueueBase):
             if level is None:
                 break
             level_params = {**params, "limit": limit - len(claimed), "at_priority": int(level)}
-            claimed += dialect.claim(conn, stmts, level_params, self._visibility_ms, level=True)
+            got = dialect.claim(conn, stmts, level_params, self._visibility_ms, level=True)
+            claimed += got
+            if len(got) < level_params["limit"] and conn.execute(fs.due_at_level, level_params).first() is not None:
+                # Due messages of this level are left that the claim passed by: locked by a claim running now,
+                # or (MySQL/MariaDB) beyond the reads a claim makes. None of a lower level before them.
+                break
             below = int(level)
         return claimed
 
@@ -269,10 +378,56 @@ class _Flow(_QueueBase):
             n = min(n, int(tokens))
         if n <= 0:
             return []
-        claimed = self._claim_at(conn, dialect, stmts, {**params, "limit": n}, bool(row.priorities))
+        if row.grouped:
+            claimed = self._claim_grouped(conn, dialect, stmts, {**params, "limit": n}, row)
+        else:
+            claimed = self._claim_at(conn, dialect, stmts, {**params, "limit": n}, bool(row.priorities))
         if row.rate is not None:
             conn.execute(fs.spend, {"queue_name": self.name, "new_tokens": tokens - len(claimed), "at": row.now})
         return claimed
+
+    def _claim_grouped(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], row: Any
+    ) -> list[ClaimedRow]:
+        """A grouped queue's claim, under its flow row's lock: due messages in claim order (each priority level
+        from the top, where priorities were offered), at most ``group_concurrency`` held per group, counting those
+        held already; the earliest of each group first, so with 1 a group's messages run in due order."""
+        fs = stmts.memo(_flow_statements)
+        per_group = int(row.group_concurrency or 1)
+        room: dict[str, int] = {}
+        for group, running in conn.execute(fs.running_groups, params):
+            room[group] = per_group - int(running)
+        limit, below = params["limit"], MAX_PRIORITY + 1
+        picked: list[int] = []
+        passed_by = False
+        while len(picked) < limit:
+            level: int | None = None
+            if row.priorities:
+                level = conn.execute(fs.top_level, {"queue_name": self.name, "below": below}).scalar()
+                if level is None:
+                    break
+                below = int(level)
+            found = conn.execute(
+                stmts.memo(_group_candidates, level is not None), {**params, "at_priority": level}
+            ).all()
+            for msg_id, group in found:
+                if group is not None:
+                    if room.setdefault(group, per_group) <= 0:
+                        passed_by = True
+                        continue
+                    room[group] -= 1
+                picked.append(int(msg_id))
+                if len(picked) == limit:
+                    break
+            if level is None:
+                break
+        self._groups_full = passed_by and not picked  # (``next_due``: wait for a held lock, not poll)
+        if not picked:
+            return []
+        order = {msg_id: i for i, msg_id in enumerate(picked)}
+        locked = conn.execute(stmts.memo(_lock_picked), {**params, "ids": picked}).all()
+        rows = sorted(locked, key=lambda r: order[r[0]])
+        return dialect.mark_claimed(conn, stmts, params, rows, self._visibility_ms)
 
     def _claim_at(
         self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], levels: bool
@@ -293,9 +448,10 @@ class _Flow(_QueueBase):
             if row is None or row.paused:
                 return None
             waits: list[float] = []
-            if row.concurrency is not None:
+            if row.concurrency is not None or (row.grouped and self._groups_full):
                 held = conn.execute(fs.running, params).one()
-                if int(held.running) >= int(row.concurrency):
+                full = row.concurrency is not None and int(held.running) >= int(row.concurrency)
+                if held.first_expiry is not None and (full or (row.grouped and self._groups_full)):
                     waits.append(max(0, int(held.first_expiry) - int(row.now)))
             if row.rate is not None:
                 tokens = _refilled(row)

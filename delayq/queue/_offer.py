@@ -12,7 +12,7 @@ from delayq.dialects import Dialect, Statements
 from delayq.dialects.base import NewRow
 from delayq.messages import OfferOutcome
 from delayq.queue._checks import At, _due, check_key
-from delayq.queue._flow import _Flow, check_priority
+from delayq.queue._flow import _Flow, check_group, check_priority
 from delayq.serializers import encode
 from delayq.transactions import Using
 
@@ -34,6 +34,7 @@ class _Offers(_Flow):
         *,
         update: bool = False,
         priority: int = 0,
+        group: str | None = None,
         using: Using = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists in the queue.
@@ -45,9 +46,12 @@ class _Offers(_Flow):
 
         ``priority`` (from -1000 to 1000, default 0): claims take due messages of a higher priority
         first (docs/workers.md, "Priorities"); a replacement sets it too.
+        ``group``: at most ``set_group_concurrency`` (1 by default) messages of one group are held at once,
+        the earliest due first (docs/workers.md, "Groups"); a replacement sets it too (None: no group).
         """
         params = self._offer_params(key, payload, at)
         params["offer_priority"] = check_priority(priority)
+        params["offer_group"] = check_group(group)
         with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
 
             def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
@@ -56,11 +60,14 @@ class _Offers(_Flow):
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
                 if priority and outcome is OfferOutcome.CREATED:  # (a replacement set it)
                     self._set_priorities(conn, dialect, [params["msg_key"]], priority)
+                if group is not None and outcome is OfferOutcome.CREATED:
+                    self._set_groups(conn, dialect, [params["msg_key"]], group)
                 return outcome
 
-            simple = not (update or headers or priority)
+            simple = not (update or headers or priority or group is not None)
             outcome = self._runner.run(using, op, "statement" if simple else "transaction")
         self._priorities_set(priority, using)
+        self._groups_set(group, using)
         observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
         return outcome
 
@@ -70,21 +77,24 @@ class _Offers(_Flow):
         *,
         update: bool = False,
         priority: int = 0,
+        group: str | None = None,
         using: Using = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
 
         All items are validated first: a bad one raises before anything is written. A key
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``). ``priority``: every item's (see ``offer``).
+        or ``UPDATED`` with ``update=True``). ``priority``, ``group``: every item's (see ``offer``).
         """
         check_priority(priority)
+        check_group(group)
         prepared = [self._item(key, payload, at) for key, payload, at in items]
         if not prepared:
             return []
         with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using, priority)
+            found = self._offer_prepared(prepared, update, headers, using, priority, group)
         self._priorities_set(priority, using)
+        self._groups_set(group, using)
         observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
         return found
 
@@ -94,7 +104,13 @@ class _Offers(_Flow):
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
     def _offer_prepared(
-        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using, priority: int = 0
+        self,
+        prepared: list[_Item],
+        update: bool,
+        headers: dict[str, str] | None,
+        using: Using,
+        priority: int = 0,
+        group: str | None = None,
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
@@ -117,7 +133,11 @@ class _Offers(_Flow):
                 if outcomes[i] is None:
                     outcomes[i] = (
                         self._offer_one(
-                            conn, dialect, stmts, {**self._item_params(item), "offer_priority": priority}, True
+                            conn,
+                            dialect,
+                            stmts,
+                            {**self._item_params(item), "offer_priority": priority, "offer_group": group},
+                            True,
                         )
                         if update
                         else OfferOutcome.IGNORED
@@ -126,10 +146,12 @@ class _Offers(_Flow):
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
-            if priority:  # the created ones (a replacement set it)
+            if priority or group is not None:  # the created ones (a replacement set them)
                 new_keys = [key for key, o in zip(keys, outcomes, strict=True) if o is OfferOutcome.CREATED]
-                if new_keys:
+                if new_keys and priority:
                     self._set_priorities(conn, dialect, new_keys, priority)
+                if new_keys and group is not None:
+                    self._set_groups(conn, dialect, new_keys, group)
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
@@ -183,6 +205,7 @@ class _Offers(_Flow):
                     "new_scheduled_at": due,
                     "new_created_at": row.now,
                     "new_priority": params.get("offer_priority", 0),
+                    "new_group": params.get("offer_group"),
                 },
             ).rowcount
             if swapped == 1:
