@@ -100,7 +100,17 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("group_key", name_type(MAX_KEY_LENGTH), nullable=True),
         sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
         sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
-        sa.Index(f"{prefix}messages_priority_ix", "queue", "priority", "scheduled_at", "id"),
+        # Partial where the backend can (PostgreSQL, SQLite): only messages with a priority other than 0, so the
+        # offers and claims of queues without priorities maintain no entry in it (MySQL/MariaDB: every message).
+        sa.Index(
+            f"{prefix}messages_priority_ix",
+            "queue",
+            "priority",
+            "scheduled_at",
+            "id",
+            postgresql_where=sa.text("priority <> 0"),
+            sqlite_where=sa.text("priority <> 0"),
+        ),
         sa.Index(f"{prefix}messages_lock_ix", "lock_token"),
         **TABLE_OPTIONS,
     )

@@ -85,6 +85,19 @@ def test_a_replacement_sets_the_priority_and_an_ignored_offer_keeps_it(flow_queu
     assert [d.key for d in q.try_poll_many(10)] == ["a", "b"]
 
 
+def test_a_replacement_alone_marks_the_queue_for_priorities_and_groups(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    q = DelayedQueue(engine, queue_name, clock=clock)
+    q.offer_many([("a", 1, -2 * SECOND), ("b", 1, -SECOND)])
+    assert (
+        DelayedQueue(engine, queue_name, clock=clock).offer("b", 2, -SECOND, update=True, priority=3).value == "updated"
+    )
+    DelayedQueue(engine, queue_name, clock=clock).offer_many([("a", 2, -2 * SECOND)], update=True, group="g")
+    assert q.flow() == FlowState(priorities=True, grouped=True)
+    assert [d.key for d in q.try_poll_many(10)] == ["b", "a"]
+
+
 def test_priorities_out_of_range_are_refused_before_anything_is_written(
     flow_queue: Callable[..., DelayedQueue],
 ) -> None:

@@ -40,6 +40,9 @@ def upgrade() -> None:
         f"{prefix}messages",
         ["queue", "priority", "scheduled_at", "id"],
         schema=schema,
+        # (partial: a queue without priorities writes nothing to it; MySQL/MariaDB have no partial indexes)
+        postgresql_where=sa.text("priority <> 0"),
+        sqlite_where=sa.text("priority <> 0"),
     )
     op.create_table(
         f"{prefix}queue_flow",

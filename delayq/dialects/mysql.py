@@ -23,6 +23,7 @@ from delayq.dialects.base import (
     NEW_PAYLOAD,
     ClaimedRow,
     Dialect,
+    Level,
     Mode,
     NewRow,
     OwnedStart,
@@ -203,7 +204,7 @@ class MySQLDialect(Dialect):
         stmts: Statements,
         params: Mapping[str, Any],
         visibility_ms: int,
-        level: bool = False,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # InnoDB locks every index record a locking range scan reads, and when fewer than n rows
         # are due the scan reads one past the due range: the next message to become due, maybe of
@@ -245,7 +246,7 @@ class MySQLDialect(Dialect):
         return insert.on_duplicate_key_update(dict(set_) if set_ is not None else {keys[0]: table.c[keys[0]]})
 
 
-def _due_ids(stmts: Statements, limit: int, level: bool = False) -> sa.Select[Any]:
+def _due_ids(stmts: Statements, limit: int, level: Level = "") -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name`` (of priority ``:at_priority`` with ``level``), read
     without locks."""
     m = stmts.tables.messages
@@ -260,7 +261,7 @@ def _due_ids(stmts: Statements, limit: int, level: bool = False) -> sa.Select[An
     )
 
 
-def _due_ids_past(stmts: Statements, limit: int, level: bool = False) -> sa.Select[Any]:
+def _due_ids_past(stmts: Statements, limit: int, level: Level = "") -> sa.Select[Any]:
     """``_due_ids`` leaving out ``:taken``, the ids other claims locked first."""
     return _due_ids(stmts, limit, level).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
 

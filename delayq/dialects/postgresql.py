@@ -19,7 +19,7 @@ from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
 from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
 from delayq.dialects._pg_listen import PING as PING
 from delayq.dialects._pg_listen import ListenStalledError as ListenStalledError
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, at_level, claim_limit
+from delayq.dialects.base import ClaimedRow, Dialect, Level, Mode, NewRow, OwnedStart, Statements, at_level, claim_limit
 from delayq.errors import UnsupportedDatabaseError
 
 if TYPE_CHECKING:
@@ -299,7 +299,7 @@ class PostgresDialect(Dialect):
         stmts: Statements,
         params: Mapping[str, Any],
         visibility_ms: int,
-        level: bool = False,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # One statement: the MATERIALIZED CTE picks and locks the ids exactly once. The plainer
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row
@@ -358,7 +358,7 @@ def _held_token(tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
     return tokens == sa.any_(_array("held_token_set", sa.String()))
 
 
-def _claim_statement(stmts: Statements, limit: int, level: bool = False) -> sa.Update:
+def _claim_statement(stmts: Statements, limit: int, level: Level = "") -> sa.Update:
     m = stmts.tables.messages
     picked = (
         sa.select(m.c.id, m.c.scheduled_at)

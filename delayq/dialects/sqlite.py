@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from delayq.dialects.base import (
     ClaimedRow,
     Dialect,
+    Level,
     Mode,
     OwnedStart,
     Statements,
@@ -60,7 +61,7 @@ class _Turn:
             self._lock.release()
 
 
-def _take_due(stmts: Statements, limit: int, level: bool = False) -> sa.Update:
+def _take_due(stmts: Statements, limit: int, level: Level = "") -> sa.Update:
     """Mark the first ``limit`` due messages of ``:queue_name`` with ``:token`` (an attempt more) and return
     their ``candidate_columns``: still with their due time, the attempts counted, and "now"."""
     m = stmts.tables.messages
@@ -175,7 +176,7 @@ class SQLiteDialect(Dialect):
         stmts: Statements,
         params: Mapping[str, Any],
         visibility_ms: int,
-        level: bool = False,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # Two statements, the first a write: it takes the write lock as it starts, so no other
         # writer runs until the commit. The first marks the due rows with this claim's token and

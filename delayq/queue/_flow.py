@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from delayq.clock import duration_ms
 from delayq.dialects import ClaimedRow, Dialect, Mode, Statements
-from delayq.dialects.base import at_level, candidate_rows, claim_limit
+from delayq.dialects.base import Level, at_level, candidate_rows, claim_limit
 from delayq.errors import InvalidInputError
 from delayq.messages import FlowState
 from delayq.queue._base import _QueueBase
@@ -114,24 +114,22 @@ class _FlowStatements:
         # The highest priority below :below among the queue's messages: one probe of the priority index (as an
         # ORDER BY … LIMIT 1, not max(): PostgreSQL's planner on stale statistics answers max() from a scan of
         # the queue's rows, while the claim's transaction, its sorting off, must walk the index for this).
+        # (Priority 0 is not in the partial index: the level loop visits it between the positive and negative ones.)
         self.top_level = (
             sa.select(m.c.priority)
             .with_hint(m, f"FORCE INDEX ({m.name}_priority_ix)", dialect_name="mysql")
-            .where(m.c.queue == queue, m.c.priority < sa.bindparam("below", type_=sa.Integer))
+            .where(m.c.queue == queue, m.c.priority < sa.bindparam("below", type_=sa.Integer), m.c.priority != 0)
             .order_by(m.c.priority.desc())
             .limit(1)
         )
         # Whether any message of one level is due (held by a claim in flight or not): one probe of the index.
-        self.due_at_level = (
-            sa.select(m.c.id)
+        self.due_at_level = {
+            kind: sa.select(m.c.id)
             .with_hint(m, f"FORCE INDEX ({m.name}_priority_ix)", dialect_name="mysql")
-            .where(
-                m.c.queue == queue,
-                m.c.priority == sa.bindparam("at_priority", type_=sa.Integer),
-                m.c.scheduled_at <= stmts.now,
-            )
+            .where(m.c.queue == queue, m.c.scheduled_at <= stmts.now, *at_level(m, kind))
             .limit(1)
-        )
+            for kind in ("zero", "nonzero")
+        }
         self.set_priority = (
             sa.update(m)
             .where(m.c.queue == queue, m.c.key.in_(sa.bindparam("keys", expanding=True)))
@@ -170,7 +168,7 @@ GROUP_SCAN = 500
 """How many due messages a grouped queue's claim reads (per priority level) to find those whose group has room."""
 
 
-def _group_candidates(stmts: Statements, level: bool) -> sa.Select[Any]:
+def _group_candidates(stmts: Statements, level: Level) -> sa.Select[Any]:
     """The first ``GROUP_SCAN`` due messages of ``:queue_name`` (of one priority level with ``level``), read without
     locks, in claim order: their ids and groups."""
     m = stmts.tables.messages
@@ -345,13 +343,14 @@ class _Flow(_QueueBase):
         limit, below = params["limit"], MAX_PRIORITY + 1
         claimed: list[ClaimedRow] = []
         while len(claimed) < limit:
-            level = conn.execute(fs.top_level, {"queue_name": self.name, "below": below}).scalar()
+            level = self._next_level(conn, fs, below)
             if level is None:
                 break
-            level_params = {**params, "limit": limit - len(claimed), "at_priority": int(level)}
-            got = dialect.claim(conn, stmts, level_params, self._visibility_ms, level=True)
+            kind: Level = "nonzero" if level else "zero"
+            level_params = {**params, "limit": limit - len(claimed), "at_priority": level}
+            got = dialect.claim(conn, stmts, level_params, self._visibility_ms, level=kind)
             claimed += got
-            if len(got) < level_params["limit"] and conn.execute(fs.due_at_level, level_params).first() is not None:
+            if len(got) < level_params["limit"] and conn.execute(fs.due_at_level[kind], level_params).first():
                 # Due messages of this level are left that the claim passed by: locked by a claim running now,
                 # or (MySQL/MariaDB) beyond the reads a claim makes. None of a lower level before them.
                 break
@@ -403,13 +402,12 @@ class _Flow(_QueueBase):
         while len(picked) < limit:
             level: int | None = None
             if row.priorities:
-                level = conn.execute(fs.top_level, {"queue_name": self.name, "below": below}).scalar()
+                level = self._next_level(conn, fs, below)
                 if level is None:
                     break
-                below = int(level)
-            found = conn.execute(
-                stmts.memo(_group_candidates, level is not None), {**params, "at_priority": level}
-            ).all()
+                below = level
+            kind: Level = "" if level is None else "nonzero" if level else "zero"
+            found = conn.execute(stmts.memo(_group_candidates, kind), {**params, "at_priority": level}).all()
             for msg_id, group in found:
                 if group is not None:
                     if room.setdefault(group, per_group) <= 0:
@@ -428,6 +426,15 @@ class _Flow(_QueueBase):
         locked = conn.execute(stmts.memo(_lock_picked), {**params, "ids": picked}).all()
         rows = sorted(locked, key=lambda r: order[r[0]])
         return dialect.mark_claimed(conn, stmts, params, rows, self._visibility_ms)
+
+    def _next_level(self, conn: Connection, fs: _FlowStatements, below: int) -> int | None:
+        """The highest priority level below ``below`` that the queue's messages may have: a probe of the priority
+        index among the levels other than 0, and 0 itself when the probe has gone past it (its messages are not
+        in the partial index; a level-0 claim that finds none costs one statement)."""
+        found = conn.execute(fs.top_level, {"queue_name": self.name, "below": below}).scalar()
+        if below > 0 and (found is None or int(found) < 0):
+            return 0
+        return None if found is None else int(found)
 
     def _claim_at(
         self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], levels: bool

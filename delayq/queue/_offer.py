@@ -58,10 +58,12 @@ class _Offers(_Flow):
                 outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
                 if headers and outcome is not OfferOutcome.IGNORED:
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
-                if priority and outcome is OfferOutcome.CREATED:  # (a replacement set it)
-                    self._set_priorities(conn, dialect, [params["msg_key"]], priority)
-                if group is not None and outcome is OfferOutcome.CREATED:
-                    self._set_groups(conn, dialect, [params["msg_key"]], group)
+                if outcome is not OfferOutcome.IGNORED:  # (a replacement set them: only the queue's mark)
+                    created = [params["msg_key"]] if outcome is OfferOutcome.CREATED else []
+                    if priority:
+                        self._set_priorities(conn, dialect, created, priority)
+                    if group is not None:
+                        self._set_groups(conn, dialect, created, group)
                 return outcome
 
             simple = not (update or headers or priority or group is not None)
@@ -146,11 +148,12 @@ class _Offers(_Flow):
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
-            if priority or group is not None:  # the created ones (a replacement set them)
+            if (priority or group is not None) and any(o is not OfferOutcome.IGNORED for o in outcomes):
+                # the created ones (a replacement set them), and the queue's mark
                 new_keys = [key for key, o in zip(keys, outcomes, strict=True) if o is OfferOutcome.CREATED]
-                if new_keys and priority:
+                if priority:
                     self._set_priorities(conn, dialect, new_keys, priority)
-                if new_keys and group is not None:
+                if group is not None:
                     self._set_groups(conn, dialect, new_keys, group)
             return [o for o in outcomes if o is not None]
 
