@@ -15,7 +15,7 @@ from delayq.errors import (
     WrongApiError,
 )
 from delayq.handler import DeadLetter, Handler, Retry
-from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
+from delayq.messages import DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
@@ -32,6 +32,7 @@ __all__ = [
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "FlowState",
     "Handler",
     "InvalidInputError",
     "InvalidKeyError",

@@ -80,6 +80,31 @@ class QueueStats:
     """How long the oldest due message (ready or with an expired lock) has waited; None when none."""
 
 
+@dataclass(frozen=True, slots=True)
+class FlowState:
+    """A queue's flow settings as stored (``DelayedQueue.flow``)."""
+
+    paused: bool = False
+    """Claims take nothing (offers are still stored)."""
+    priorities: bool = False
+    """Some offer set a priority: claims take the highest priority first, one level at a time."""
+    concurrency: int | None = None
+    """At most this many of its messages held under an unexpired lock at once, across all claimers; None: no limit."""
+    rate: int | None = None
+    """At most this many claims per ``rate_period`` across all claimers (a token bucket); None: no limit."""
+    rate_period: dt.timedelta | None = None
+    """The period of ``rate``."""
+    grouped: bool = False
+    """Some offer named a group: at most ``group_concurrency`` of one group's messages held at once."""
+    group_concurrency: int = 1
+    """How many messages of one group may be held at once (with 1, a group's messages run in due order)."""
+
+    @property
+    def limited(self) -> bool:
+        """Whether claims must lock the flow row: a concurrency or rate limit is set, or groups were offered."""
+        return self.concurrency is not None or self.rate is not None or self.grouped
+
+
 class _Owner(Protocol):
     """What a ``Delivery`` asks of the queue that made it (``delayq.queue.DelayedQueue``, which builds on
     this module)."""

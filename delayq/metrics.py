@@ -11,9 +11,9 @@ as ``delayq worker --metrics-port N`` does. What is exported:
   retry and dead_letter for a handler that raised ``Retry`` or ``DeadLetter``) and
   ``delayq_pickup_latency_seconds`` (from a message's due time to its handler's start; clocks of the
   database and of the worker's host both count);
-- gauges per queue, read at scrape time with one ``stats()`` statement per queue (none between scrapes):
-  ``delayq_ready``, ``delayq_scheduled``, ``delayq_in_flight``, ``delayq_expired_locks``, ``delayq_dead``,
-  ``delayq_oldest_due_age_seconds``.
+- gauges per queue, read at scrape time with one ``stats()`` statement and one read of its flow row per
+  queue (none between scrapes): ``delayq_ready``, ``delayq_scheduled``, ``delayq_in_flight``,
+  ``delayq_expired_locks``, ``delayq_dead``, ``delayq_oldest_due_age_seconds``, ``delayq_paused``.
 
 Counting costs a dictionary look-up and a locked add per event (the Prometheus families are built when
 scraped): nothing a worker's database work notices.
@@ -193,17 +193,22 @@ class Metrics(observe.Observer, Collector):
             "Seconds the oldest due message has waited (0 when none).",
             labels=["queue"],
         )
+        paused = GaugeMetricFamily(
+            "delayq_paused", "1 while the queue is paused (delayq pause), else 0.", labels=["queue"]
+        )
         for q in queues:
             try:
-                s = q.stats()
+                s, flow = q.stats(), q.flow()
             except Exception as exc:  # a scrape never fails for one queue's trouble
                 log.warning("metrics: stats of queue %s failed: %s", q.name, exc)
                 continue
             for name in GAUGES:
                 families[name].add_metric([q.name], getattr(s, name))
             age.add_metric([q.name], 0.0 if s.oldest_due_age is None else s.oldest_due_age.total_seconds())
+            paused.add_metric([q.name], float(flow.paused))
         yield from families.values()
         yield age
+        yield paused
 
 
 _installed: dict[int, Metrics] = {}

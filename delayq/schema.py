@@ -33,6 +33,8 @@ class Tables:
     dead_letters: sa.Table
     schedules: sa.Table
     topics: TopicTables
+    flow: sa.Table
+    """One row per queue whose flow was ever set: paused, or offered a priority (``delayq.queue._flow``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,8 +96,21 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("last_error", sa.Text, nullable=True),
         sa.Column("attempt_history", sa.Text, nullable=True),
         sa.Column("headers", sa.Text, nullable=True),
+        sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("group_key", name_type(MAX_KEY_LENGTH), nullable=True),
         sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
         sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
+        # Partial where the backend can (PostgreSQL, SQLite): only messages with a priority other than 0, so the
+        # offers and claims of queues without priorities maintain no entry in it (MySQL/MariaDB: every message).
+        sa.Index(
+            f"{prefix}messages_priority_ix",
+            "queue",
+            "priority",
+            "scheduled_at",
+            "id",
+            postgresql_where=sa.text("priority <> 0"),
+            sqlite_where=sa.text("priority <> 0"),
+        ),
         sa.Index(f"{prefix}messages_lock_ix", "lock_token"),
         **TABLE_OPTIONS,
     )
@@ -128,7 +143,28 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("installed_until", sa.BigInteger, nullable=True),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md))
+    # One row per queue whose flow was ever set: paused or not, whether it was ever offered a priority (its
+    # claims then take one priority level at a time), its concurrency limit, its rate limit (``rate`` claims per
+    # ``rate_period_ms``) and that limit's token bucket (``tokens`` as of ``tokens_at``, database time), whether
+    # it was offered groups (``grouped``) and how many of one group may run at once (``group_concurrency``, 1).
+    # Claimers cache it (``DelayedQueue(flow_refresh=)``); a limited queue's claims lock it.
+    flow = sa.Table(
+        f"{prefix}queue_flow",
+        md,
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), primary_key=True),
+        sa.Column("paused", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("priorities", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("concurrency", sa.Integer, nullable=True),
+        sa.Column("rate", sa.Integer, nullable=True),
+        sa.Column("rate_period_ms", sa.BigInteger, nullable=True),
+        sa.Column("tokens", sa.Double(), nullable=True),
+        sa.Column("tokens_at", sa.BigInteger, nullable=True),
+        sa.Column("grouped", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("group_concurrency", sa.Integer, nullable=True),
+        sa.Column("updated_at", sa.BigInteger, nullable=False),
+        **TABLE_OPTIONS,
+    )
+    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow)
 
 
 MAX_TOPIC_LENGTH = 100

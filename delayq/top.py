@@ -45,6 +45,8 @@ class QueueRow:
     left_per_s: float | None
     longest_run: dt.timedelta | None = None
     """How long the longest-running in-flight message has been held (since its claim); None when none is."""
+    paused: bool = False
+    """Paused (``DelayedQueue.pause``): workers start none of its messages."""
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,9 @@ class Top:
                 queue = DelayedQueue(
                     self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer()
                 )
-                stats = queue.stats(using=conn)
+                stats, paused = queue.stats(using=conn), queue.flow(using=conn).paused
                 arrived, left = self._flow(conn, name)
-                rows.append(QueueRow(name, stats, arrived, left, longest.get(name)))
+                rows.append(QueueRow(name, stats, arrived, left, longest.get(name), paused))
             failures = self._failures(conn, names)
             conn.rollback()
         return Snapshot(now, rows, failures)
@@ -156,12 +158,12 @@ def render(snap: Snapshot) -> RenderableType:
         ("out/s", "right"),
     ):
         # the queue's name is what a reader looks for: never cut, the numbers' columns give way
-        wide = max([len(q.name) for q in snap.queues] + [5]) if column == "queue" else None
+        wide = max([len(q.name) + 7 * q.paused for q in snap.queues] + [5]) if column == "queue" else None
         table.add_column(column, justify=justify, no_wrap=column == "queue", min_width=wide)  # type: ignore[arg-type]
     for q in snap.queues:
         s = q.stats
         table.add_row(
-            q.name,
+            Text.assemble(q.name, (" paused", "bold yellow")) if q.paused else q.name,
             Text(str(s.ready), style="green" if s.ready else ""),
             str(s.scheduled),
             Text(str(s.in_flight), style="yellow" if s.in_flight else ""),

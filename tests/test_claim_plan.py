@@ -36,6 +36,7 @@ def stale_table(backend: Backend) -> Iterator[sa.Engine]:
     engine = make_engine(backend.url)
     with engine.begin() as conn:
         conn.exec_driver_sql(f"DELETE FROM {PREFIX}messages")
+        conn.exec_driver_sql(f"DELETE FROM {PREFIX}queue_flow")  # no priorities or limits left by another test
         if backend.name == "postgresql":
             conn.exec_driver_sql(f"ALTER TABLE {PREFIX}messages SET (autovacuum_enabled = false)")
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -61,9 +62,9 @@ def claim_statements(engine: sa.Engine, queue: DelayedQueue) -> list[tuple[str, 
     return sent
 
 
-def explain(engine: sa.Engine, backend: str, sent: list[tuple[str, Any]]) -> str:
+def explain(engine: sa.Engine, backend: str, sent: list[tuple[str, Any]], ordered_by: str = "scheduled_at") -> str:
     """The plan of the statement that picks due rows, with what delayq sent before it in its transaction."""
-    picks = [i for i, (sql, _) in enumerate(sent) if "ORDER BY" in sql and "scheduled_at" in sql]
+    picks = [i for i, (sql, _) in enumerate(sent) if "ORDER BY" in sql and ordered_by in sql]
     assert picks, f"no pick among {[sql for sql, _ in sent]}"
     pick = picks[0]
     prefix = {"sqlite": "EXPLAIN QUERY PLAN ", "mysql": "EXPLAIN FORMAT=JSON "}.get(backend, "EXPLAIN ")
@@ -92,6 +93,72 @@ def test_a_batch_claim_walks_the_due_index_whatever_the_statistics(
     print(plan)
     assert DUE_INDEX in plan, plan
     assert "Sort" not in plan and "TEMP B-TREE" not in plan and "filesort" not in plan.lower(), plan
+
+
+PRIORITY_INDEX = f"{PREFIX}messages_priority_ix"
+
+
+@pytest.mark.parametrize("analyzed", ["while empty", "after the fill"])
+def test_a_priority_claim_walks_the_priority_index_one_level_at_a_time(
+    stale_table: sa.Engine, backend: Backend, analyzed: str
+) -> None:
+    """A queue offered priorities claims one level at a time, top first: a probe of the priority index for the
+    highest level, then the claim restricted to it, an index range scan in due order, no sort."""
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    q = DelayedQueue(stale_table, "plan", clock=clock, table_prefix=PREFIX)
+    for start in range(0, ROWS, 2000):
+        priority = 0 if start < ROWS // 2 else 5
+        items = [(f"k{i}", i, dt.timedelta(seconds=-i)) for i in range(start, start + 2000)]
+        q.offer_many(items, priority=priority)
+    if analyzed == "after the fill":
+        with stale_table.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            analyze(conn, backend.name)
+    sent = claim_statements(stale_table, q)
+    plan = explain(stale_table, backend.name, sent)
+    print(plan)
+    assert (f'"key": "{PRIORITY_INDEX}"' if backend.name == "mysql" else PRIORITY_INDEX) in plan, plan
+    assert "Sort" not in plan and "TEMP B-TREE" not in plan and "filesort" not in plan.lower(), plan
+    tops = [i for i, (sql, _) in enumerate(sent) if "ORDER BY" in sql and "priority DESC" in sql]
+    assert tops, sent
+    top = explain(stale_table, backend.name, sent[: tops[0] + 1], "priority DESC")
+    print(top)
+    assert (f'"key": "{PRIORITY_INDEX}"' if backend.name == "mysql" else PRIORITY_INDEX) in top, top
+    assert "Seq Scan" not in top and "Bitmap" not in top and "TEMP B-TREE" not in top, top
+    assert "filesort" not in top.lower() and "Sort" not in top, top
+
+
+@pytest.mark.parametrize("analyzed", ["while empty", "after the fill"])
+def test_a_limited_claim_counts_the_held_messages_through_the_lock_token_index(
+    stale_table: sa.Engine, backend: Backend, analyzed: str
+) -> None:
+    """A queue with a concurrency limit counts its held messages at each claim: through the lock-token index's
+    non-NULL entries (the held messages of every queue: a few), never the queue's scheduled ones; and its claim
+    is still the due index's walk."""
+    clock = ManualClock(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    q = DelayedQueue(stale_table, "plan", clock=clock, table_prefix=PREFIX)
+    for start in range(0, ROWS, 2000):
+        q.offer_many([(f"k{i}", i, dt.timedelta(seconds=i - ROWS // 2)) for i in range(start, start + 2000)])
+    q.set_concurrency_limit(1000)
+    if analyzed == "after the fill":
+        with stale_table.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            analyze(conn, backend.name)
+    sent = claim_statements(stale_table, q)
+    plan = explain(stale_table, backend.name, sent)
+    assert (f'"key": "{DUE_INDEX}"' if backend.name == "mysql" else DUE_INDEX) in plan, plan
+    counts = [i for i, (sql, _) in enumerate(sent) if "count(" in sql.lower() and "lock_token IS NOT NULL" in sql]
+    assert counts, sent
+    prefix = {"sqlite": "EXPLAIN QUERY PLAN ", "mysql": "EXPLAIN FORMAT=JSON "}.get(backend.name, "EXPLAIN ")
+    sql, params = sent[counts[0]]
+    with stale_table.connect() as conn:
+        for before, before_params in sent[: counts[0]]:
+            if "SET " in before.upper() and not before_params:
+                conn.exec_driver_sql(before)
+        count_plan = "\n".join(" | ".join(map(str, r)) for r in conn.exec_driver_sql(prefix + sql, params))
+        conn.rollback()
+    print(count_plan)
+    lock_index = f"{PREFIX}messages_lock_ix"
+    assert (f'"key": "{lock_index}"' if backend.name == "mysql" else lock_index) in count_plan, count_plan
+    assert "Seq Scan" not in count_plan and "SCAN " + PREFIX not in count_plan, count_plan
 
 
 def held_statements(engine: sa.Engine, act: Any) -> list[tuple[str, Any]]:

@@ -266,7 +266,7 @@ def test_delayq_0005_keeps_the_rows_and_makes_trailing_spaces_count(backend: Bac
 
     prefix = "mig5_"
     m = make_tables(prefix).messages
-    copied = [c.name for c in m.c if c.name not in ("id", "key")]
+    copied = [c.name for c in m.c if c.name not in ("id", "key", "priority", "group_key")]  # (delayq_0006 adds those)
 
     def copy_as(key: str) -> None:  # "job" again under another key, in one INSERT … SELECT
         rows = sa.select(sa.literal(key), *(m.c[c] for c in copied)).where(m.c.queue == "q", m.c.key == "job")
@@ -297,5 +297,37 @@ def test_delayq_0005_keeps_the_rows_and_makes_trailing_spaces_count(backend: Bac
         assert queue.cancel("job ")
         migrations.downgrade(backend.url, "delayq_0004", prefix=prefix)
         assert len(payloads()) == 1
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)
+
+
+def test_delayq_0006_gives_existing_messages_priority_0_and_goes_down_again(backend: Backend) -> None:
+    # Messages of delayq_0005 keep coming in due order after the upgrade (priority 0, no flow row); down again,
+    # the priority column, its index and the flow table are gone and the rows stay.
+    from delayq import DelayedQueue
+
+    prefix = "mig6_"
+    m = make_tables(prefix).messages
+    old = [c.name for c in m.c if c.name not in ("id", "priority", "group_key")]
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0005", prefix=prefix)
+    try:
+        with backend.engine.begin() as conn:  # below head delayq refuses to run: the old schema, written directly
+            for i, key in enumerate(["b", "a"]):
+                row = {"queue": "q", "key": key, "payload": b"1", "payload_type": "json", "scheduled_at": i}
+                row |= {"scheduled_at_initially": i, "created_at": i, "attempts": 0}
+                conn.execute(sa.insert(m).values({k: v for k, v in row.items() if k in old}))
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+        queue = DelayedQueue(backend.engine, "q", table_prefix=prefix)
+        assert queue.flow().priorities is False
+        queue.offer("c", 1, priority=1)
+        assert [d.key for d in queue.try_poll_many(10)] == ["c", "b", "a"]
+        migrations.downgrade(backend.url, "delayq_0005", prefix=prefix)
+        with backend.engine.connect() as conn:
+            names = {c["name"] for c in sa.inspect(conn).get_columns(f"{prefix}messages")}
+            assert "priority" not in names and "group_key" not in names
+            assert not sa.inspect(conn).has_table(f"{prefix}queue_flow")
+            assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 3
     finally:
         migrations.downgrade(backend.url, prefix=prefix)

@@ -15,6 +15,7 @@ EXPECTED = {
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "FlowState",
     "Handler",
     "InvalidInputError",
     "InvalidKeyError",

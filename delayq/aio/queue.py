@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
 from delayq.clock import Clock
 from delayq.history import AttemptRecord
-from delayq.messages import DeadMessage, Delivery, Message, OfferOutcome, QueueStats
+from delayq.messages import DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import Serializer
@@ -62,6 +62,7 @@ class AsyncDelayedQueue:
         transient_retry: TransientRetry = DEFAULT_RETRY,
         notify: bool = True,
         max_deliveries: int | None = None,
+        flow_refresh: dt.timedelta = dt.timedelta(seconds=1),
     ) -> None:
         self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
         self.engine = engine
@@ -76,6 +77,7 @@ class AsyncDelayedQueue:
             transient_retry=NO_RETRY,
             notify=notify,
             max_deliveries=max_deliveries,
+            flow_refresh=flow_refresh,
         )
         """The sync queue whose operations this one runs (its engine is ``engine.sync_engine``)."""
         self._giving_back: set[asyncio.Task[None]] = set()
@@ -96,17 +98,62 @@ class AsyncDelayedQueue:
 
     # -- producers ------------------------------------------------------------------------------
     async def offer(
-        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: AsyncUsing = None
+        self,
+        key: str,
+        payload: Any,
+        at: At = None,
+        *,
+        update: bool = False,
+        priority: int = 0,
+        group: str | None = None,
+        using: AsyncUsing = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists; see ``DelayedQueue.offer``."""
-        return await self._run(using, lambda u: self.sync.offer(key, payload, at, update=update, using=u))
+        return await self._run(
+            using, lambda u: self.sync.offer(key, payload, at, update=update, priority=priority, group=group, using=u)
+        )
 
     async def offer_many(
-        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: AsyncUsing = None
+        self,
+        items: Iterable[tuple[str, Any, At]],
+        *,
+        update: bool = False,
+        priority: int = 0,
+        group: str | None = None,
+        using: AsyncUsing = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; see ``DelayedQueue.offer_many``."""
         listed = list(items)
-        return await self._run(using, lambda u: self.sync.offer_many(listed, update=update, using=u))
+        return await self._run(
+            using, lambda u: self.sync.offer_many(listed, update=update, priority=priority, group=group, using=u)
+        )
+
+    # -- flow control ---------------------------------------------------------------------------
+    async def pause(self, *, using: AsyncUsing = None) -> None:
+        """Pause the queue; see ``DelayedQueue.pause``."""
+        await self._run(using, lambda u: self.sync.pause(using=u))
+
+    async def resume(self, *, using: AsyncUsing = None) -> None:
+        """Resume the queue; see ``DelayedQueue.resume``."""
+        await self._run(using, lambda u: self.sync.resume(using=u))
+
+    async def set_concurrency_limit(self, limit: int | None, *, using: AsyncUsing = None) -> None:
+        """Limit how many of the queue's messages run at once; see ``DelayedQueue.set_concurrency_limit``."""
+        await self._run(using, lambda u: self.sync.set_concurrency_limit(limit, using=u))
+
+    async def set_group_concurrency(self, limit: int, *, using: AsyncUsing = None) -> None:
+        """How many messages of one group may run at once; see ``DelayedQueue.set_group_concurrency``."""
+        await self._run(using, lambda u: self.sync.set_group_concurrency(limit, using=u))
+
+    async def set_rate_limit(
+        self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: AsyncUsing = None
+    ) -> None:
+        """Limit the queue's claims per period; see ``DelayedQueue.set_rate_limit``."""
+        await self._run(using, lambda u: self.sync.set_rate_limit(limit, per, using=u))
+
+    async def flow(self, *, using: AsyncUsing = None) -> FlowState:
+        """The queue's flow settings as stored now; see ``DelayedQueue.flow``."""
+        return await self._run(using, lambda u: self.sync.flow(using=u))
 
     # -- consumers ------------------------------------------------------------------------------
     async def try_poll(self, *, using: AsyncUsing = None) -> AsyncDelivery | None:

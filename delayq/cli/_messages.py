@@ -229,10 +229,20 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
 @click.option("--at", "at_text", help="When it is due, ISO 8601 with an offset (default: now).")
 @click.option("--in", "in_text", help="How long from now it is due, e.g. 90s, 5m, 1h30m.")
 @click.option("--update", is_flag=True, help="Replace a message already under KEY.")
+@click.option("--priority", default=0, show_default=True, help="Higher is claimed first (-1000 to 1000).")
+@click.option("--group", help="At most the queue's group concurrency (1) of one group run at once, in due order.")
 @click.pass_context
 @friendly
 def enqueue(
-    ctx: click.Context, queue: str, key: str, payload: str, at_text: str | None, in_text: str | None, update: bool
+    ctx: click.Context,
+    queue: str,
+    key: str,
+    payload: str,
+    at_text: str | None,
+    in_text: str | None,
+    update: bool,
+    priority: int,
+    group: str | None,
 ) -> None:
     """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
     if at_text is not None and in_text is not None:
@@ -249,7 +259,8 @@ def enqueue(
         at = parse_duration(in_text)
     with connect(ctx) as (engine, conn):
         conn.rollback()
-        outcome = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"]).offer(key, value, at, update=update)
+        q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
+        outcome = q.offer(key, value, at, update=update, priority=priority, group=group)
     click.echo(f"{queue} {key}: {outcome.value}")
 
 

@@ -27,7 +27,7 @@ from delayq.schema import make_tables
 @click.pass_context
 @friendly
 def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, interval: float, times: int) -> None:
-    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message.
+    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message, paused.
 
     Without QUEUE: every queue with messages, dead letters or a cron schedule (a drained queue with none of
     them is not known; name it to see its zeros).
@@ -39,7 +39,8 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
             names = [check_queue_name(queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
             rows: list[dict[str, Any]] = []
             for name in names:
-                s = admin_queue(engine, ctx, name).stats(using=conn)
+                q = admin_queue(engine, ctx, name)
+                s, flow = q.stats(using=conn), q.flow(using=conn)
                 rows.append(
                     {
                         "queue": name,
@@ -48,6 +49,14 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
                         "in_flight": s.in_flight,
                         "expired_locks": s.expired_locks,
                         "dead": s.dead,
+                        "paused": flow.paused,
+                        "priorities": flow.priorities,
+                        "running": s.in_flight,
+                        "concurrency_limit": flow.concurrency,
+                        "rate_limit": flow.rate,
+                        "rate_period_s": None if flow.rate_period is None else flow.rate_period.total_seconds(),
+                        "grouped": flow.grouped,
+                        "group_concurrency": flow.group_concurrency,
                         "oldest_due_age_s": None
                         if s.oldest_due_age is None
                         else round(s.oldest_due_age.total_seconds(), 1),
@@ -58,9 +67,16 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
             click.echo(dt.datetime.now().strftime("%H:%M:%S"))
         if not as_json:
             for r in rows:
+                hidden_columns = ("priorities", "running", "concurrency_limit", "rate_limit", "rate_period_s")
+                for hidden in (*hidden_columns, "grouped", "group_concurrency"):
+                    r.pop(hidden)
+                r["paused"] = "paused" if r["paused"] else ""
                 age = r.pop("oldest_due_age_s")
                 r["oldest_due"] = None if age is None else human(dt.timedelta(seconds=age))
-        emit(rows, as_json, ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due"])
+        columns = ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due"]
+        if any(r["paused"] for r in rows):
+            columns.append("paused")
+        emit(rows, as_json, columns)
         shown += 1
         if not watch or (times and shown >= times):
             return

@@ -165,6 +165,8 @@ class Statements(Memo):
                 last_error=None,
                 attempt_history=None,
                 headers=None,
+                priority=_bp("new_priority", sa.Integer),
+                group_key=_bp("new_group", sa.String),
             )
         )
         self.mark_claimed = (
@@ -421,11 +423,17 @@ class Dialect:
 
     # -- consumers ------------------------------------------------------------------------------
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        visibility_ms: int,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         """Lock up to ``params['limit']`` due messages of ``params['queue_name']`` with ``params['token']``
         for ``visibility_ms``, oldest due first, and return them as they were due. Each backend has its
-        own shape (docs/internals.md, "the claim"); it runs in the transaction ``claim_mode_for`` begins."""
+        own shape (docs/internals.md, "the claim"); it runs in the transaction ``claim_mode_for`` begins.
+        ``level``: only messages of one priority (``at_level``)."""
         raise NotImplementedError
 
     def mark_claimed(
@@ -480,6 +488,22 @@ class Dialect:
     def any_of(self, column: sa.ColumnElement[Any], name: str) -> sa.ColumnElement[bool]:
         """``column`` is one of the values of the list bound as ``:name`` (``IN``, expanded per call)."""
         return column.in_(sa.bindparam(name, expanding=True))
+
+
+Level = Literal["", "zero", "nonzero"]
+"""Which messages a claim takes: all (""), those of priority 0, or those of the priority ``:at_priority`` (not 0)."""
+
+
+def at_level(messages: sa.FromClause, level: Level) -> tuple[sa.ColumnElement[bool], ...]:
+    """A claim's extra condition for ``level``. The priority index is partial on PostgreSQL and SQLite (the
+    messages whose priority is not 0: a queue without priorities never writes to it), so a nonzero level's
+    condition says ``priority <> 0`` in the statement's text, where the planner sees it whatever ``:at_priority``
+    is; priority 0 is read through the due index."""
+    if level == "zero":
+        return (messages.c.priority == 0,)
+    if level == "nonzero":
+        return (messages.c.priority == sa.bindparam("at_priority", type_=sa.Integer), messages.c.priority != 0)
+    return ()
 
 
 def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:

@@ -23,10 +23,12 @@ from delayq.dialects.base import (
     NEW_PAYLOAD,
     ClaimedRow,
     Dialect,
+    Level,
     Mode,
     NewRow,
     OwnedStart,
     Statements,
+    at_level,
     candidate_rows,
     claim_limit,
     row_values,
@@ -197,7 +199,12 @@ class MySQLDialect(Dialect):
         return created
 
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        visibility_ms: int,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # InnoDB locks every index record a locking range scan reads, and when fewer than n rows
         # are due the scan reads one past the due range: the next message to become due, maybe of
@@ -208,7 +215,8 @@ class MySQLDialect(Dialect):
         # (a few times at most) rather than reporting an empty queue while messages are due.
         taken: list[int] = []
         for _ in range(CLAIM_READS):
-            due = stmts.memo(_due_ids_past, params["limit"]) if taken else stmts.memo(_due_ids, params["limit"])
+            pick = _due_ids_past if taken else _due_ids
+            due = stmts.memo(pick, params["limit"], level)
             ids: list[int] = list(conn.execute(due, {**params, "taken": taken}).scalars())
             if not ids:
                 return []
@@ -238,20 +246,24 @@ class MySQLDialect(Dialect):
         return insert.on_duplicate_key_update(dict(set_) if set_ is not None else {keys[0]: table.c[keys[0]]})
 
 
-def _due_ids(stmts: Statements, limit: int) -> sa.Select[Any]:
-    """The ids of the first due messages of ``:queue_name``, read without locks."""
+def _due_ids(stmts: Statements, limit: int, level: Level = "") -> sa.Select[Any]:
+    """The ids of the first due messages of ``:queue_name`` (of priority ``:at_priority`` with ``level``), read
+    without locks."""
     m = stmts.tables.messages
+    pick = sa.select(m.c.id)
+    if level:  # statistics taken while the table was small pick the due index and filter by priority
+        pick = pick.with_hint(m, f"FORCE INDEX ({m.name}_priority_ix)", dialect_name="mysql")
     return (
-        sa.select(m.c.id)
-        .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        pick.where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        .where(*at_level(m, level))
         .order_by(m.c.scheduled_at, m.c.id)
         .limit(claim_limit(limit))
     )
 
 
-def _due_ids_past(stmts: Statements, limit: int) -> sa.Select[Any]:
+def _due_ids_past(stmts: Statements, limit: int, level: Level = "") -> sa.Select[Any]:
     """``_due_ids`` leaving out ``:taken``, the ids other claims locked first."""
-    return _due_ids(stmts, limit).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
+    return _due_ids(stmts, limit, level).where(stmts.tables.messages.c.id.not_in(sa.bindparam("taken", expanding=True)))
 
 
 def _lock_due_by_id(stmts: Statements) -> sa.Select[Any]:

@@ -19,7 +19,7 @@ from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
 from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
 from delayq.dialects._pg_listen import PING as PING
 from delayq.dialects._pg_listen import ListenStalledError as ListenStalledError
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, NewRow, OwnedStart, Statements, claim_limit
+from delayq.dialects.base import ClaimedRow, Dialect, Level, Mode, NewRow, OwnedStart, Statements, at_level, claim_limit
 from delayq.errors import UnsupportedDatabaseError
 
 if TYPE_CHECKING:
@@ -294,13 +294,18 @@ class PostgresDialect(Dialect):
         return created
 
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        visibility_ms: int,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # One statement: the MATERIALIZED CTE picks and locks the ids exactly once. The plainer
         # `WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` may be re-run per outer row
         # by a nested-loop plan and then claims more than n rows.
         rows = conn.execute(
-            stmts.memo(_claim_statement, params["limit"]), {**params, "visibility": visibility_ms}
+            stmts.memo(_claim_statement, params["limit"], level), {**params, "visibility": visibility_ms}
         ).all()
         claimed = [ClaimedRow._make(row) for row in rows]
         claimed.sort(key=lambda r: (r.due_at, r.id))
@@ -353,11 +358,12 @@ def _held_token(tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
     return tokens == sa.any_(_array("held_token_set", sa.String()))
 
 
-def _claim_statement(stmts: Statements, limit: int) -> sa.Update:
+def _claim_statement(stmts: Statements, limit: int, level: Level = "") -> sa.Update:
     m = stmts.tables.messages
     picked = (
         sa.select(m.c.id, m.c.scheduled_at)
         .where(m.c.queue == sa.bindparam("queue_name", type_=sa.String), m.c.scheduled_at <= stmts.now)
+        .where(*at_level(m, level))
         .order_by(m.c.scheduled_at, m.c.id)
         .limit(claim_limit(limit))
         .with_for_update(skip_locked=True)

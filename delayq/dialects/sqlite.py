@@ -20,7 +20,17 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from delayq.dialects.base import ClaimedRow, Dialect, Mode, OwnedStart, Statements, candidate_columns, claim_limit
+from delayq.dialects.base import (
+    ClaimedRow,
+    Dialect,
+    Level,
+    Mode,
+    OwnedStart,
+    Statements,
+    at_level,
+    candidate_columns,
+    claim_limit,
+)
 from delayq.dialects.types import JsonList
 from delayq.errors import UnsupportedDatabaseError
 
@@ -51,7 +61,7 @@ class _Turn:
             self._lock.release()
 
 
-def _take_due(stmts: Statements, limit: int) -> sa.Update:
+def _take_due(stmts: Statements, limit: int, level: Level = "") -> sa.Update:
     """Mark the first ``limit`` due messages of ``:queue_name`` with ``:token`` (an attempt more) and return
     their ``candidate_columns``: still with their due time, the attempts counted, and "now"."""
     m = stmts.tables.messages
@@ -59,6 +69,7 @@ def _take_due(stmts: Statements, limit: int) -> sa.Update:
     picked = (
         sa.select(due.c.id)
         .where(due.c.queue == sa.bindparam("queue_name", type_=sa.String), due.c.scheduled_at <= stmts.now)
+        .where(*at_level(due, level))
         .order_by(due.c.scheduled_at, due.c.id)
         .limit(claim_limit(limit))
     )
@@ -160,7 +171,12 @@ class SQLiteDialect(Dialect):
         return "writes"  # the claim begins with its UPDATE (see ``claim``)
 
     def claim(
-        self, conn: Connection, stmts: Statements, params: Mapping[str, Any], visibility_ms: int
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        visibility_ms: int,
+        level: Level = "",
     ) -> list[ClaimedRow]:
         # Two statements, the first a write: it takes the write lock as it starts, so no other
         # writer runs until the commit. The first marks the due rows with this claim's token and
@@ -168,7 +184,7 @@ class SQLiteDialect(Dialect):
         # after the UPDATE, and may return them in any order); the second sets the lock's expiry,
         # found by the token's index. One statement (and, for an async driver, three thread hops)
         # less than a BEGIN IMMEDIATE, a SELECT and an UPDATE by id.
-        taken = conn.execute(stmts.memo(_take_due, params["limit"]), params).all()
+        taken = conn.execute(stmts.memo(_take_due, params["limit"], level), params).all()
         if not taken:
             return []
         locked_until, token = taken[0].now + visibility_ms, params["token"]

@@ -15,6 +15,9 @@ from delayq.queue._checks import check_queue_name as check_queue_name
 from delayq.queue._checks import check_text as check_text
 from delayq.queue._claims import _Claims
 from delayq.queue._dead import _DeadLetters
+from delayq.queue._flow import MAX_PRIORITY as MAX_PRIORITY
+from delayq.queue._flow import MIN_PRIORITY as MIN_PRIORITY
+from delayq.queue._flow import check_priority as check_priority
 from delayq.queue._offer import OFFER_CHUNK as OFFER_CHUNK
 from delayq.queue._offer import _Offers
 from delayq.queue._queued import _Queued
@@ -40,6 +43,8 @@ class DelayedQueue(_Offers, _Claims, _Queued, _DeadLetters):
             ``delayq_dead_letters`` in the connection's default schema.
         transient_retry: how delayq retries its own transactions; see ``TransientRetry``.
         notify: on PostgreSQL, wake listening workers (NOTIFY) when an offer commits. True.
+        flow_refresh: how long a claimer keeps the queue's flow settings (``pause``, priorities) before it
+            reads them again: a pause counts within this long. 1 second by default; 0 reads them at every claim.
         max_deliveries: a claim that would deliver a message for the ``max_deliveries + 1``-th
             time moves it to the dead letters instead ("delivered N times without an outcome"):
             a message whose consumer dies every time does not come back forever. None (no cap)

@@ -36,6 +36,7 @@ class _QueueBase:
         transient_retry: TransientRetry = DEFAULT_RETRY,
         notify: bool = True,
         max_deliveries: int | None = None,
+        flow_refresh: dt.timedelta = dt.timedelta(seconds=1),
     ) -> None:
         self.name = check_queue_name(name)
         self.engine = engine
@@ -49,6 +50,10 @@ class _QueueBase:
         if max_deliveries is not None and max_deliveries < 1:
             raise InvalidInputError("max_deliveries must be at least 1")
         self.max_deliveries = max_deliveries
+        flow_refresh_ms = duration_ms(flow_refresh, "flow_refresh")
+        if flow_refresh_ms < 0:
+            raise InvalidInputError("flow_refresh must not be negative")
+        self._flow_refresh_s = flow_refresh_ms / 1000
         self.tables = make_tables(table_prefix, schema)
         self._runner = Runner(engine, self.tables, transient_retry)
         self._claiming: str | None = None

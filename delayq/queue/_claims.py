@@ -17,8 +17,8 @@ from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
 from delayq.messages import Delivery
-from delayq.queue._base import _QueueBase
 from delayq.queue._checks import check_key
+from delayq.queue._flow import _Flow
 from delayq.queue._history import statements as history_sql
 from delayq.queue._lost import _lost_locks
 from delayq.queue._tokens import new_token
@@ -27,7 +27,7 @@ from delayq.transactions import Using
 log = logging.getLogger("delayq")
 
 
-class _Claims(_QueueBase):
+class _Claims(_Flow):
     """``try_poll``, ``ack_many``, ``extend_many``, ``release``, and what a ``Delivery`` asks of ``DelayedQueue``."""
 
     def try_poll(self, *, using: Using = None) -> Delivery | None:
@@ -44,6 +44,9 @@ class _Claims(_QueueBase):
             raise InvalidInputError(f"limit must be a positive integer, got {limit!r}")
 
         tokens: list[str] = []  # one per attempt
+        flow = self._cached_flow(using)
+        if flow.paused:
+            return []
 
         def op(conn: Connection, dialect: Dialect) -> list[ClaimedRow]:
             # A fresh token on every attempt: when an attempt's commit succeeded unseen (its reply
@@ -52,13 +55,18 @@ class _Claims(_QueueBase):
             token = self._claiming = new_token(now.get("now"))
             tokens.append(token)
             params = {"queue_name": self.name, "limit": limit, "token": token, **now}
+            if flow.priorities or flow.limited:
+                return self._claim_flowing(conn, dialect, self._statements(dialect), params, flow)
             return dialect.claim(conn, self._statements(dialect), params, self._visibility_ms)
 
         self._claiming = None
         # In the caller's transaction its rollback undoes the claim; in process (SQLite) a failed attempt left nothing.
         owned = (using is None or isinstance(using, Engine)) and self._runner.dialect.unseen_commits
         try:
-            rows = self._runner.run(using, op, self._runner.dialect.claim_mode_for(limit))
+            dialect = self._runner.dialect
+            flowing = flow.priorities or flow.limited
+            mode = self._levels_mode(dialect, limit) if flowing else dialect.claim_mode_for(limit)
+            rows = self._runner.run(using, op, mode)
         except DBAPIError as exc:
             # A lost connection may have lost a COMMIT's reply only; an error the server sent rolled back.
             if owned and exc.connection_invalidated and self._give_back_unseen(tokens, using):
@@ -119,15 +127,22 @@ class _Claims(_QueueBase):
     def next_due(self, *, using: Using = None) -> dt.timedelta | None:
         """How long until this queue's next message is due (zero when one is due now); None when empty.
 
-        A held message counts at its lock's expiry, when it would be delivered again.
+        A held message counts at its lock's expiry, when it would be delivered again. None while the
+        queue is paused (as its claims see it: ``flow_refresh``); while a concurrency or rate limit holds
+        claims back, not before the limit could let one through (a held lock's expiry, the next token).
         """
+        flow = self._cached_flow(using)
+        if flow.paused:
+            return None
+        held_back = self._until_limit_frees(using) if flow.limited else None
         params = {"queue_name": self.name, **self._now_param()}
 
         def op(conn: Connection, dialect: Dialect) -> dt.timedelta | None:
             row = conn.execute(self._statements(dialect).next_due, params).one()
             if row.next_due is None:
                 return None
-            return dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
+            due = dt.timedelta(milliseconds=max(0, int(row.next_due) - int(row.now)))
+            return due if held_back is None else max(due, held_back)
 
         return self._runner.run(using, op, "read")
 

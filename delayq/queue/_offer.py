@@ -11,8 +11,8 @@ from delayq import history, observe
 from delayq.dialects import Dialect, Statements
 from delayq.dialects.base import NewRow
 from delayq.messages import OfferOutcome
-from delayq.queue._base import _QueueBase
 from delayq.queue._checks import At, _due, check_key
+from delayq.queue._flow import _Flow, check_group, check_priority
 from delayq.queue._history import statements as history_sql
 from delayq.serializers import encode
 from delayq.transactions import Using
@@ -24,11 +24,19 @@ _Item = tuple[str, bytes, int | None, int | None]
 """An offered message, validated and encoded: (key, payload, due at in epoch ms, or due in ms from now)."""
 
 
-class _Offers(_QueueBase):
+class _Offers(_Flow):
     """``offer`` and ``offer_many`` of ``DelayedQueue``."""
 
     def offer(
-        self, key: str, payload: Any, at: At = None, *, update: bool = False, using: Using = None
+        self,
+        key: str,
+        payload: Any,
+        at: At = None,
+        *,
+        update: bool = False,
+        priority: int = 0,
+        group: str | None = None,
+        using: Using = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists in the queue.
 
@@ -36,34 +44,60 @@ class _Offers(_QueueBase):
         attempts and error are reset, and a consumer's lock on it is cleared, so that
         consumer's ack deletes nothing). Replacing with identical content is ``IGNORED``;
         a relative ``at`` is measured from now, so it differs on every call.
+
+        ``priority`` (from -1000 to 1000, default 0): claims take due messages of a higher priority
+        first (docs/workers.md, "Priorities"); a replacement sets it too.
+        ``group``: at most ``set_group_concurrency`` (1 by default) messages of one group are held at once,
+        the earliest due first (docs/workers.md, "Groups"); a replacement sets it too (None: no group).
         """
         params = self._offer_params(key, payload, at)
+        params["offer_priority"] = check_priority(priority)
+        params["offer_group"] = check_group(group)
         with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
 
             def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
                 outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
                 if headers and outcome is not OfferOutcome.IGNORED:
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
+                if outcome is not OfferOutcome.IGNORED:  # (a replacement set them: only the queue's mark)
+                    created = [params["msg_key"]] if outcome is OfferOutcome.CREATED else []
+                    if priority:
+                        self._set_priorities(conn, dialect, created, priority)
+                    if group is not None:
+                        self._set_groups(conn, dialect, created, group)
                 return outcome
 
-            outcome = self._runner.run(using, op, "statement" if not (update or headers) else "transaction")
+            simple = not (update or headers or priority or group is not None)
+            outcome = self._runner.run(using, op, "statement" if simple else "transaction")
+        self._priorities_set(priority, using)
+        self._groups_set(group, using)
         observe.count("offered", self.name, outcome is not OfferOutcome.IGNORED)
         return outcome
 
     def offer_many(
-        self, items: Iterable[tuple[str, Any, At]], *, update: bool = False, using: Using = None
+        self,
+        items: Iterable[tuple[str, Any, At]],
+        *,
+        update: bool = False,
+        priority: int = 0,
+        group: str | None = None,
+        using: Using = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
 
         All items are validated first: a bad one raises before anything is written. A key
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``).
+        or ``UPDATED`` with ``update=True``). ``priority``, ``group``: every item's (see ``offer``).
         """
+        check_priority(priority)
+        check_group(group)
         prepared = [self._item(key, payload, at) for key, payload, at in items]
         if not prepared:
             return []
         with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using)
+            found = self._offer_prepared(prepared, update, headers, using, priority, group)
+        self._priorities_set(priority, using)
+        self._groups_set(group, using)
         observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
         return found
 
@@ -73,7 +107,13 @@ class _Offers(_QueueBase):
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
     def _offer_prepared(
-        self, prepared: list[_Item], update: bool, headers: dict[str, str] | None, using: Using
+        self,
+        prepared: list[_Item],
+        update: bool,
+        headers: dict[str, str] | None,
+        using: Using,
+        priority: int = 0,
+        group: str | None = None,
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
@@ -95,7 +135,13 @@ class _Offers(_QueueBase):
             for i, item in enumerate(prepared):
                 if outcomes[i] is None:
                     outcomes[i] = (
-                        self._offer_one(conn, dialect, stmts, self._item_params(item), update=True)
+                        self._offer_one(
+                            conn,
+                            dialect,
+                            stmts,
+                            {**self._item_params(item), "offer_priority": priority, "offer_group": group},
+                            True,
+                        )
                         if update
                         else OfferOutcome.IGNORED
                     )
@@ -103,6 +149,13 @@ class _Offers(_QueueBase):
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
+            if (priority or group is not None) and any(o is not OfferOutcome.IGNORED for o in outcomes):
+                # the created ones (a replacement set them), and the queue's mark
+                new_keys = [key for key, o in zip(keys, outcomes, strict=True) if o is OfferOutcome.CREATED]
+                if priority:
+                    self._set_priorities(conn, dialect, new_keys, priority)
+                if group is not None:
+                    self._set_groups(conn, dialect, new_keys, group)
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
@@ -155,6 +208,8 @@ class _Offers(_QueueBase):
                     "payload_type": params["payload_type"],
                     "new_scheduled_at": due,
                     "new_created_at": row.now,
+                    "new_priority": params.get("offer_priority", 0),
+                    "new_group": params.get("offer_group"),
                 },
             ).rowcount
             if swapped == 1:

@@ -11,6 +11,7 @@ Every option is a string (Spark passes them so); names are case-insensitive.
   group of its own: no ``Subscription`` may read it.
 - ``table_prefix`` (``delayq_``), ``schema`` (none): where delayq's tables are.
 - ``update`` (``false``): a queue write replaces messages whose keys exist (``offer(update=True)``).
+- ``priority`` (``0``): a queue write's messages' priority, from -1000 to 1000 (``offer_many(priority=)``).
 - ``chunk_size`` (500): rows per ``offer_many`` / ``publish_many`` transaction when writing (a task's
   transactions share one connection).
 - ``partitions`` (the session's default parallelism, at least 1): input partitions of a queue's batch read.
@@ -31,7 +32,7 @@ import sqlalchemy as sa
 from delayq.dialects import dialect_class
 from delayq.engines import create_engine
 from delayq.errors import DelayqError, InvalidInputError, UnsupportedDatabaseError
-from delayq.queue import check_queue_name
+from delayq.queue import check_priority, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
 from delayq.topics.names import check_group, check_topic_stored
 
@@ -44,6 +45,7 @@ KNOWN = {
     "table_prefix",
     "schema",
     "update",
+    "priority",
     "chunk_size",
     "partitions",
     "maxrowspertrigger",
@@ -92,6 +94,18 @@ def _bool(options: Mapping[str, str], name: str) -> bool:
     return value == "true"
 
 
+def _priority(options: Mapping[str, str]) -> int:
+    text = str(options.get("priority", "0")).strip()
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidInputError(f"option 'priority' must be an integer from -1000 to 1000, got {text!r}") from None
+    try:
+        return check_priority(value)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"option {exc}") from None
+
+
 def _int(options: Mapping[str, str], name: str, default: int | None) -> int | None:
     if name not in options or options[name] is None:
         return default
@@ -116,6 +130,7 @@ class SourceOptions:
     table_prefix: str = DEFAULT_PREFIX
     schema: str | None = None
     update: bool = False
+    priority: int = 0
     chunk_size: int = 500
     partitions: int | None = None
     max_rows_per_trigger: int | None = None
@@ -167,6 +182,7 @@ class SourceOptions:
             table_prefix=prefix,
             schema=given.get("schema") or None,
             update=_bool(given, "update"),
+            priority=_priority(given),
             chunk_size=_int(given, "chunk_size", 500) or 500,
             partitions=_int(given, "partitions", None),
             max_rows_per_trigger=_int(given, "maxrowspertrigger", None),

@@ -124,7 +124,7 @@ def write_rows(opts: SourceOptions, layout: Layout, batches: Iterator[Any]) -> W
         if opts.queue is not None:
             queue = DelayedQueue(engine, opts.queue, table_prefix=opts.table_prefix, schema=opts.schema, notify=True)
             for chunk in _chunks(_offer_items(layout, batches), opts.chunk_size):
-                counts.add(queue.offer_many(chunk, update=opts.update))
+                counts.add(queue.offer_many(chunk, update=opts.update, priority=opts.priority))
         else:
             assert opts.topic is not None
             topic = Topic(engine, opts.topic, table_prefix=opts.table_prefix, schema=opts.schema)
