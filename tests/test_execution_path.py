@@ -35,9 +35,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_poll_one",
         "_poll_failed",
         "_leases_now",  # AsyncSubscription.poll hands out kept deliveries of the leases still held
-        "_claiming",  # AsyncWorker gives back a claim cancelled in flight by its token
+        "_claiming",  # the runtime notes a claim cancelled in flight by its token (AsyncWorker gives it back)
         "_give_back",
-        "_claim",  # (super()._claim: AsyncWorker notes the claims that never came back)
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",
