@@ -32,8 +32,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from delayq import observe
 from delayq._outcome import TimedOut
@@ -603,23 +604,23 @@ class AsyncWorker:
             self._poke()
 
     async def _handle_topic_in_transaction(self, consumer: TopicConsumer, job: TopicJob) -> bool:
-        """Run a transactional topic handler and the fenced ack in one transaction (exactly once per group);
-        False when the lease or the delivery was lost (its writes rolled back), ``_NotBegun`` when the
-        transaction could not begin."""
+        """Run a transactional topic handler and the fenced ack in delayq's one transaction, as the threaded
+        worker does (``Subscription.handle_exactly_once``: exactly once per group), the handler awaited
+        with an ``AsyncConnection`` on it; False when the lease or the delivery was lost (its writes rolled
+        back), ``_NotBegun`` when the transaction could not begin."""
         handle = cast(Callable[[Any, AsyncConnection], Awaitable[None]], consumer.handler.handle)
         begun = False
+
+        def in_transaction(conn: Connection) -> None:
+            nonlocal begun
+            begun = True  # from here on it is an attempt
+            await_only(handle(job.delivery, AsyncConnection(self.async_engine, conn)))
+
         try:
-            async with self.async_engine.connect() as conn, conn.begin() as transaction:
-                begun = True
-                await handle(job.delivery, conn)
-                try:
-                    await conn.run_sync(
-                        lambda c: consumer.sub.handle_exactly_once(job.delivery, lambda _: None, using=c)
-                    )
-                except LeaseLostError:
-                    await transaction.rollback()
-                    log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
-                    return False
+            await greenlet_spawn(consumer.sub.handle_exactly_once, job.delivery, in_transaction)
+        except LeaseLostError:
+            log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
+            return False
         except Exception as exc:
             if begun:
                 raise
