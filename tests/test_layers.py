@@ -131,6 +131,22 @@ def test_the_dialects_import_nothing_above_them() -> None:
     assert not upward, "delayq.dialects imports modules above it:\n" + "\n".join(upward)
 
 
+DRIVERS = {"delayq.worker", "delayq.aio", "delayq.aio.worker", "delayq.cli", "delayq"}
+"""What sits above the runtime core (DESIGN.md "Layout"): its two drivers and what uses them."""
+
+
+def test_the_runtime_core_imports_neither_driver() -> None:
+    """``delayq/runtime/`` is below ``Worker`` and ``AsyncWorker``: they compose it, it knows neither."""
+    upward = [
+        f"{m} -> {t} (line {line})"
+        for m in GRAPH
+        if m.startswith("delayq.runtime")
+        for t, line in sorted(GRAPH[m])
+        if t in DRIVERS or t.startswith(("delayq.aio", "delayq.cli"))
+    ]
+    assert not upward, "delayq.runtime imports a driver:\n" + "\n".join(upward)
+
+
 @pytest.mark.parametrize("leaf", sorted(LEAVES | DIALECT_LEAVES))
 def test_the_leaves_import_only_leaves(leaf: str) -> None:
     allowed = LEAVES | {"delayq.dialects.types"} if leaf in LEAVES else set()
