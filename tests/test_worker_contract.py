@@ -15,6 +15,7 @@ import datetime as dt
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ from delayq import (
     TopicHandler,
     Worker,
     WorkerHealth,
+    observe,
 )
 from delayq.aio import AsyncHandler, AsyncWorker
 from delayq.schema import make_tables
@@ -400,3 +402,83 @@ def test_a_topic_handler_running_past_the_shutdown_timeout_keeps_its_partition_u
     ]
     assert topic.dead_letters() == []
     assert sum(p.head - p.watermark for p in group_lag(engine, topic_name, "g")) == 0  # the slow one acked
+
+
+# -- per-job timeout: a thread is reported and kept, a task is cancelled; never two runs at once -----------
+class Overdue(observe.Observer):
+    reads_database = False
+
+    def __init__(self) -> None:
+        self.seen: Counter[str] = Counter()
+
+    def counted(self, event: observe.Event, queue: str, n: int) -> None:
+        if event == "overdue":
+            self.seen[queue] += n
+
+
+@pytest.fixture
+def overdue() -> Iterator[Overdue]:
+    found = Overdue()
+    observe.add(found)
+    yield found
+    observe.remove(found)
+
+
+def test_a_handler_past_its_timeout_is_never_run_twice_at_once(
+    driver: Driver, queue_name: str, clock: ManualClock, overdue: Overdue
+) -> None:
+    """The core finds a job past ``Handler.timeout`` once. A thread cannot be stopped: it is reported, its
+    message stays held (extended) and is acked when it returns. A task is cancelled: a failed attempt
+    (``TimedOut``), retried per the policy only once the task has ended."""
+    runs = Runs()
+    go_on = threading.Event()
+    attrs = {
+        "timeout": 30 * SECOND,
+        "visibility_timeout": 5 * 60 * SECOND,  # the clock's jump past the timeout stays inside it
+        "retry": RetryPolicy.fixed(dt.timedelta(0), max_attempts=3),
+    }
+    handler: Handler
+    if driver.kind == "asyncio":
+
+        async def handle(self: Any, d: Any, conn: Any = None) -> None:
+            run = runs.begin(f"attempt {d.attempts}", d.key)
+            try:
+                if d.attempts == 1:
+                    await asyncio.Event().wait()  # hangs until its timeout cancels it
+            finally:
+                run[3] = time.monotonic()
+
+        handler = type("Slow", (AsyncHandler,), {"queue": queue_name, "handle": handle, **attrs})()
+
+    else:
+
+        def body(d: Delivery, _: object) -> None:
+            run = runs.begin(f"attempt {d.attempts}", d.key)
+            go_on.wait(30)
+            run[3] = time.monotonic()
+
+        handler = driver.queue_handler(queue_name, body, **attrs)
+    worker = driver.worker([handler], clock=clock, concurrency=2, **FAST)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer("job", 1)
+    worker.start()
+    try:
+        wait_until(lambda: bool(runs.of("job")), "the handler to start")
+        clock.advance(31 * SECOND)  # past the timeout
+        wait_until(lambda: overdue.seen[queue_name] == 1, "the handler to be found overdue")
+        if driver.kind == "asyncio":
+            wait_until(lambda: q.get("job") is None, "the retry's ack")
+            assert [r[0] for r in runs.of("job")] == ["attempt 1", "attempt 2"]
+        else:
+            assert worker.health().stuck == 1
+            assert q.try_poll() is None  # still held: the thread lives
+            go_on.set()
+            wait_until(lambda: q.get("job") is None, "the late handler's ack")
+            assert [r[0] for r in runs.of("job")] == ["attempt 1"]
+        assert worker.health().stuck == 0
+    finally:
+        go_on.set()
+        assert worker.stop()
+    runs.check_no_overlap()
+    assert overdue.seen[queue_name] == 1  # found once
+    assert q.dead_letters() == []

@@ -90,8 +90,9 @@ class AsyncWorker:
             a connection per transactional handler plus three (fetch, heartbeat, listener), and
             one more with topic handlers (and one with schedules).
         handlers: ``AsyncHandler`` subclasses or instances, one per queue; ``TopicHandler`` ones,
-            one per (topic, group), whose ``handle`` is ``async def`` (a transactional one gets the
-            ``AsyncConnection`` of the transaction that acks its delivery, exactly once per group).
+            one per (topic, group): an ``async def handle`` runs as a task (a transactional one gets the
+            ``AsyncConnection`` of the transaction that acks its delivery, exactly once per group), a
+            plain ``def`` one on a thread (reported, never cancelled, past its ``timeout``).
             A topic handler acts on its message by returning or raising (``Retry``, ``DeadLetter``),
             not through ``delivery.ack()``.
         concurrency, poll_interval, shutdown_timeout, clock, table_prefix, schema, listen,
@@ -149,12 +150,16 @@ class AsyncWorker:
         self.clock = clock
         self.name = core.name
         """This worker's name (``host:pid:random``, unique per worker): its topic handlers' subscriber name."""
+        self._on_threads: set[int] = set()  # id(consumer) of the sync topic handlers: each run on a thread
+        self._in_thread: set[int] = set()  # id(job) of the sync topic handlers whose thread runs now
         for c in core.topics.consumers:
             if not inspect.iscoroutinefunction(c.handler.handle):
-                raise InvalidInputError(
-                    f"{type(c.handler).__name__}.handle must be a coroutine (async def) in an AsyncWorker, "
-                    "or use delayq.Worker"
-                )
+                if c.handler.transactional:
+                    raise InvalidInputError(
+                        f"{type(c.handler).__name__}: a transactional topic handler in an AsyncWorker needs an "
+                        "async def handle (its connection is the AsyncEngine's), or use delayq.Worker"
+                    )
+                self._on_threads.add(id(c))
             c.on_tasks = True
         self.async_queues: dict[str, AsyncDelayedQueue] = {}
         for name, source in core.queue_sources.items():
@@ -546,8 +551,14 @@ class AsyncWorker:
         """Cancel (once) each handler found running past its ``timeout``: a failed attempt, decided as any."""
         for job, label, timeout, counted_as in self._core.overdue_jobs():
             task = self._tasks.get(id(job))
-            if task is None or task.done() or id(job) not in self._in_handler:
-                continue  # (it returned, or records its outcome: that stands)
+            if task is None or task.done():
+                continue  # (it returned: that stands)
+            if id(job) in self._in_thread:  # a sync handler's thread cannot be stopped: reported, not cancelled
+                overdue(label, time.monotonic() - job.started_at, timeout)
+                observe.count("overdue", counted_as)
+                continue
+            if id(job) not in self._in_handler:
+                continue  # (it records its outcome: that stands)
             overdue(label, time.monotonic() - job.started_at, timeout, cancelled=True)
             observe.count("overdue", counted_as)
             self._timed_out.add(id(job))
@@ -566,6 +577,8 @@ class AsyncWorker:
         handler = consumer.handler
         error: Exception | None = None
         done = self._poke
+        if id(consumer) in self._on_threads:
+            return await self._handle_topic_on_thread(consumer, job)
         try:
             try:
                 self._in_handler.add(id(job))
@@ -602,6 +615,34 @@ class AsyncWorker:
             self._tasks.pop(id(job), None)
             self._timed_out.discard(id(job))
             self._poke()
+
+    async def _handle_topic_on_thread(self, consumer: TopicConsumer, job: TopicJob) -> None:
+        """A sync topic handler, run on a thread (``asyncio.to_thread``). A thread cannot be stopped: past its
+        ``timeout`` it is reported, not cancelled, and if its task is cancelled (``run()`` cancelled, the loop
+        ending) the delivery stays held until the thread returns; its outcome is then recorded as usual."""
+        thread = asyncio.ensure_future(asyncio.to_thread(consumer.handler.handle, job.delivery))
+        cancelled: asyncio.CancelledError | None = None
+        self._in_thread.add(id(job))
+        try:
+            while not thread.done():
+                try:
+                    await asyncio.shield(thread)
+                except asyncio.CancelledError as exc:
+                    if not thread.done():
+                        cancelled = exc  # the thread runs on: wait for it, then record its outcome
+                except Exception:
+                    pass  # (its outcome, below)
+            self._in_thread.discard(id(job))
+            error = thread.exception()
+            if error is not None and not isinstance(error, Exception):
+                raise error
+            await self._bounded(consumer.finish, job, error, self._poke)
+        finally:
+            self._in_thread.discard(id(job))
+            self._tasks.pop(id(job), None)
+            self._poke()
+        if cancelled is not None:
+            raise cancelled
 
     async def _handle_topic_in_transaction(self, consumer: TopicConsumer, job: TopicJob) -> bool:
         """Run a transactional topic handler and the fenced ack in delayq's one transaction, as the threaded
