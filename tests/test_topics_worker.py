@@ -341,14 +341,16 @@ def test_topic_handlers_are_checked_when_the_worker_is_made() -> None:
     assert a.name != b.name  # each worker is a subscriber of its own
 
 
-def test_the_async_worker_refuses_topic_handlers() -> None:
+def test_the_async_worker_refuses_sync_transactional_topic_handlers_only() -> None:
+    """(It runs a plain ``def`` topic handler on a thread: tests/test_aio_worker.py.)"""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from delayq.aio import AsyncWorker
 
     engine = create_async_engine("sqlite+aiosqlite://")
     with pytest.raises(InvalidInputError, match=r"use delayq\.Worker"):
-        AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None))])
+        AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None, transactional=True))])
+    AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None))])
 
 
 def test_a_queue_of_the_same_name_is_not_confused_with_a_topic(
