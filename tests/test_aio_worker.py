@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -689,15 +690,79 @@ def test_the_async_worker_runs_topic_handlers_under_the_one_outcome_decision(
     assert dead.dead_letter is not None and (dead.message_id, dead.dead_letter.last_error) == ("g:bad", "no such order")
 
 
-def test_the_async_worker_refuses_sync_and_transactional_topic_handlers() -> None:
+def test_the_async_worker_refuses_sync_transactional_topic_handlers() -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
 
     async def body(d: TopicDelivery) -> None:
         pass
 
     engine = create_async_engine("sqlite+aiosqlite://")
-    sync = type("SyncConsumer", (TopicHandler,), {"topic": "orders", "group": "g", "handle": lambda self, d: None})
-    with pytest.raises(InvalidInputError, match=r"coroutine .* use delayq\.Worker"):
+    attrs = {"topic": "orders", "group": "g", "handle": lambda self, d, conn=None: None, "transactional": True}
+    sync = type("SyncConsumer", (TopicHandler,), attrs)
+    with pytest.raises(InvalidInputError, match=r"needs an async def handle .* use delayq\.Worker"):
         AsyncWorker(engine, [sync])
-    with pytest.raises(InvalidInputError, match="transactional topic handlers"):
-        AsyncWorker(engine, [async_topic_handler("orders", body, transactional=True)])
+    AsyncWorker(engine, [async_topic_handler("orders", body, transactional=True)])  # (exactly once: the contract)
+
+
+def test_the_async_worker_runs_sync_topic_handlers_on_threads(backend: Backend, clock: ManualClock) -> None:
+    """A sync topic handler runs on a thread, under the one outcome decision; past its timeout it is reported,
+    not cancelled (a thread cannot be stopped), and its delivery stays held until it returns."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    history: list[tuple[str, int]] = []
+    go_on = threading.Event()
+
+    def handle(self: TopicHandler, d: TopicDelivery, conn: Any = None) -> None:
+        history.append((d.message_id, d.attempts))
+        if d.message_id == "flaky" and d.attempts == 1:
+            raise ValueError("once")
+        if d.message_id == "bad":
+            raise DeadLetter("no such order")
+        if d.message_id == "slow":
+            go_on.wait(30)
+
+    attrs = {
+        "topic": name,
+        "group": "g",
+        "handle": handle,
+        "retry": RetryPolicy.fixed(dt.timedelta(0), max_attempts=3),
+        "timeout": dt.timedelta(minutes=1),
+        "visibility_timeout": dt.timedelta(minutes=5),
+        "lease_duration": 3 * SECOND,
+    }
+    handler = type("SyncTopicConsumer", (TopicHandler,), attrs)()
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        topic = AsyncTopic(engine, name, clock=clock)
+        await topic.create(1)
+        await topic.publish_many([("k", m, m) for m in ("ok", "flaky", "bad", "slow")])
+        worker = AsyncWorker(engine, [handler], clock=clock, poll_interval=FAST, listen=False)
+        worker.start()
+        try:
+
+            async def first_pass() -> bool:
+                return all(w in history for w in [("ok", 1), ("flaky", 2), ("bad", 1), ("slow", 1)])
+
+            await wait_for(first_pass, "the first deliveries")
+            clock.advance(dt.timedelta(minutes=1, seconds=1))  # past the slow handler's timeout
+
+            async def stuck() -> bool:
+                return worker.health().stuck == 1
+
+            await wait_for(stuck, "the slow handler to be found overdue")
+            assert ("slow", 2) not in history  # reported, not cancelled: held while its thread runs
+            go_on.set()
+
+            async def all_done() -> bool:
+                return worker.handled == 5 and worker.health().held == 0
+
+            await wait_for(all_done, "every outcome recorded")
+        finally:
+            go_on.set()
+            assert await worker.stop()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert sorted(history) == sorted([("ok", 1), ("flaky", 1), ("flaky", 2), ("bad", 1), ("slow", 1)])
+    [lag] = group_lag(backend.engine, name, "g")
+    assert (lag.head, lag.watermark, lag.pending) == (4, 4, 0)

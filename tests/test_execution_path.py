@@ -35,9 +35,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_poll_one",
         "_poll_failed",
         "_leases_now",  # AsyncSubscription.poll hands out kept deliveries of the leases still held
-        "_claiming",  # AsyncWorker gives back a claim cancelled in flight by its token
+        "_claiming",  # the runtime notes a claim cancelled in flight by its token (AsyncWorker gives it back)
         "_give_back",
-        "_claim",  # (super()._claim: AsyncWorker notes the claims that never came back)
         "_now_in",  # cron's install and uninstall reach the runs through the queue's operations, in their
         "_existing_keys",  # transaction (delayq/queue/_queued.py), not through statements of their own
         "_offer_encoded",

@@ -131,6 +131,22 @@ def test_the_dialects_import_nothing_above_them() -> None:
     assert not upward, "delayq.dialects imports modules above it:\n" + "\n".join(upward)
 
 
+DRIVERS = {"delayq.worker", "delayq.aio", "delayq.aio.worker", "delayq.cli", "delayq"}
+"""What sits above the runtime core (DESIGN.md "Layout"): its two drivers and what uses them."""
+
+
+def test_the_runtime_core_imports_neither_driver() -> None:
+    """``delayq/runtime/`` is below ``Worker`` and ``AsyncWorker``: they compose it, it knows neither."""
+    upward = [
+        f"{m} -> {t} (line {line})"
+        for m in GRAPH
+        if m.startswith("delayq.runtime")
+        for t, line in sorted(GRAPH[m])
+        if t in DRIVERS or t.startswith(("delayq.aio", "delayq.cli"))
+    ]
+    assert not upward, "delayq.runtime imports a driver:\n" + "\n".join(upward)
+
+
 @pytest.mark.parametrize("leaf", sorted(LEAVES | DIALECT_LEAVES))
 def test_the_leaves_import_only_leaves(leaf: str) -> None:
     allowed = LEAVES | {"delayq.dialects.types"} if leaf in LEAVES else set()
@@ -180,6 +196,7 @@ OWN_TABLES: dict[str, str] = {
     "delayq.cron._store": "the schedules table is cron's own; the runs go through DelayedQueue's operations",
     "delayq.cron._views": "the schedules table is cron's own; the runs go through delayq.queue._views",
     "delayq.migrations": "Alembic's version table, read to tell the schema's revision",
+    "delayq.schema": "no statement: the predicate of the partial priority index (DDL, in sa.text)",
 }
 """Modules outside ``SQL_HOMES`` that build statements, each over a table that is not the queue's or a topic's."""
 

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,7 +33,6 @@ from delayq import (
     TopicHandler,
     Worker,
 )
-from delayq.schema import make_tables
 from delayq.topics import dead_letter_topic, group_lag, partition_for
 
 SECOND = dt.timedelta(seconds=1)
@@ -200,72 +199,7 @@ def test_a_failing_message_is_nacked_then_dead_lettered_while_later_ones_flow(
     dlq.close()
 
 
-@pytest.fixture
-def effects(engine: sa.Engine) -> Iterator[sa.Table]:
-    table = sa.Table(
-        "delayq_test_topic_effects",
-        sa.MetaData(),
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("message_id", sa.String(50), nullable=False),
-        sa.Column("attempt", sa.Integer),
-    )
-    table.create(engine, checkfirst=True)
-    with engine.begin() as conn:
-        conn.execute(table.delete())
-    yield table
-    with engine.begin() as conn:
-        conn.execute(table.delete())
-
-
-def test_exactly_once_mode_writes_the_handlers_row_once(
-    backend: Backend, topic_name: str, clock: ManualClock, make_topic: Callable[[int], Topic], effects: sa.Table
-) -> None:
-    engine = backend.engine
-    topic = make_topic(2)
-    leases = make_tables().topics.leases
-    lock = threading.Lock()
-    delivered: set[str] = set()
-    stolen: list[str] = []
-
-    def body(d: TopicDelivery, conn: sa.Connection | None) -> None:
-        assert conn is not None
-        conn.execute(effects.insert().values(message_id=d.message_id, attempt=d.attempts))
-        with lock:
-            delivered.add(d.message_id)
-        if d.attempts == 1 and int(d.message_id[1:]) % 5 == 0:
-            with lock:
-                stolen.append(d.message_id)
-            steal = (
-                leases.update()
-                .where(leases.c.consumer_group == "g", leases.c.topic == topic_name, leases.c.partition == d.partition)
-                .values(holder="thief", epoch=leases.c.epoch + 1, expires_at=0)
-            )
-            if backend.name == "sqlite":  # one writer at a time: play the thief in this transaction
-                conn.execute(steal)
-            else:  # another subscriber takes the partition (and lets it go at once)
-                with engine.begin() as other:
-                    other.execute(steal)
-
-    handler = topic_handler(topic_name, body, transactional=True, retry=RetryPolicy.fixed(dt.timedelta(0)))
-    worker = Worker(engine, [handler], clock=clock, concurrency=2, **FAST)
-    ids = [f"m{i}" for i in range(20)]
-    topic.publish_many([(f"key{i % 4}", m, i) for i, m in enumerate(ids)])
-    worker.start()
-    try:
-        wait_until(lambda: delivered == set(ids) and worker.health().held == 0, "the first pass")
-        clock.advance(31 * SECOND)  # the deliveries whose writes rolled back come again
-        wait_until(lambda: count_rows_of(engine, effects) == 20, "every message's effect")
-    finally:
-        assert worker.stop()
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(effects.c.message_id, sa.func.count()).group_by(effects.c.message_id)).all()
-    assert dict(rows) == dict.fromkeys(ids, 1)
-    assert sorted(stolen) == ["m0", "m10", "m15", "m5"]
-
-
-def count_rows_of(engine: sa.Engine, table: sa.Table) -> int:
-    with engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+# (exactly-once topic handlers, under both drivers: tests/test_worker_contract.py)
 
 
 class History:
@@ -407,14 +341,16 @@ def test_topic_handlers_are_checked_when_the_worker_is_made() -> None:
     assert a.name != b.name  # each worker is a subscriber of its own
 
 
-def test_the_async_worker_refuses_topic_handlers() -> None:
+def test_the_async_worker_refuses_sync_transactional_topic_handlers_only() -> None:
+    """(It runs a plain ``def`` topic handler on a thread: tests/test_aio_worker.py.)"""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from delayq.aio import AsyncWorker
 
     engine = create_async_engine("sqlite+aiosqlite://")
     with pytest.raises(InvalidInputError, match=r"use delayq\.Worker"):
-        AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None))])
+        AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None, transactional=True))])
+    AsyncWorker(engine, [type(topic_handler("orders", lambda d, c: None))])
 
 
 def test_a_queue_of_the_same_name_is_not_confused_with_a_topic(

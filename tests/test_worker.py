@@ -21,7 +21,6 @@ from delayq import (
     ManualClock,
     Retry,
     RetryPolicy,
-    Schedule,
     Worker,
 )
 
@@ -265,24 +264,3 @@ def test_transactional_handlers_write_exactly_once_when_locks_are_lost(
         rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
     assert dict(rows) == dict.fromkeys(keys, 1)
     assert len(lost) == 20
-
-
-def test_a_worker_keeps_the_schedules_declared_on_its_handlers(
-    engine: sa.Engine, queue_name: str, clock: ManualClock
-) -> None:
-    seen: list[Any] = []
-
-    class Tick(Handler):
-        queue = queue_name
-        schedules = (Schedule.periodic("tick", dt.timedelta(minutes=1), payload={"tick": True}),)
-
-        def handle(self, delivery: Delivery, conn: sa.Connection | None = None) -> None:
-            seen.append(delivery.payload)
-
-    workers = [Worker(engine, [Tick], clock=clock, listen=False) for _ in range(2)]
-    assert [w.run_once() for w in workers] == [0, 0]  # both install; nothing is due yet
-    clock.advance(dt.timedelta(minutes=1))
-    assert sum(w.run_once() for w in workers) == 1  # one run, however many workers declare it
-    clock.advance(dt.timedelta(minutes=1))
-    assert sum(w.run_once() for w in workers) == 1
-    assert seen == [{"tick": True}] * 2

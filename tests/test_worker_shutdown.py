@@ -16,25 +16,20 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from conftest import REPO_ROOT, Backend
-from test_topics_worker import holders, keys_for, topic_handler, wait_until
+from test_topics_worker import wait_until
 
 from delayq import (
     DelayedQueue,
-    Delivery,
-    Handler,
     ManualClock,
-    RetryPolicy,
     Subscription,
     Topic,
-    TopicDelivery,
-    Worker,
 )
 from delayq.topics import group_lag
 
@@ -74,62 +69,7 @@ class Runs:
                     assert not overlap, f"{m1} run by {h1} and {h2} at once"
 
 
-# -- topics: a handler running at the stop keeps its message; never-started ones go back uncounted ---------
-@pytest.mark.parametrize("max_attempts", [1, 2])
-def test_a_topic_handler_running_past_the_shutdown_timeout_keeps_its_message_until_it_returns(
-    engine: sa.Engine, topic_name: str, clock: ManualClock, max_attempts: int
-) -> None:
-    topic = Topic(engine, topic_name, clock=clock)
-    topic.create(2)
-    keys = keys_for(2)
-    runs = Runs()
-    go_on = threading.Event()
-
-    def body(holder: str) -> Callable[[TopicDelivery, object], None]:
-        def handle(d: TopicDelivery, _: object) -> None:
-            run = runs.begin(holder, d.message_id)
-            if d.message_id == "slow":
-                go_on.wait(30)
-            run[3] = time.monotonic()
-
-        return handle
-
-    def worker(holder: str) -> Worker:
-        handler = topic_handler(topic_name, body(holder), retry=RetryPolicy(max_attempts=max_attempts))
-        return Worker(engine, [handler], clock=clock, concurrency=2, **QUICK_STOP)
-
-    a, b = worker("a"), worker("b")
-    a.start()
-    try:
-        wait_until(lambda: holders(engine, topic_name) == {a.name: 2}, "the first worker to hold both partitions")
-        topic.publish(keys[0], "slow", 1)
-        wait_until(lambda: bool(runs.of("slow")), "the slow handler to start")
-        assert a.stop()  # the shutdown timeout passes while the handler runs
-        b.start()
-        topic.publish(keys[1], "other", 2)
-        wait_until(lambda: bool(runs.of("other")), "the second worker to take the idle partition")
-        assert [r[0] for r in runs.of("slow")] == ["a"]  # nobody else got it while its handler ran
-        # The stopped worker kept the partition of its running handler, and gave up the idle one.
-        assert holders(engine, topic_name) == {a.name: 1, b.name: 1}
-        go_on.set()
-        # The handler returns: its ack is recorded, then the stopped worker leaves the group.
-        wait_until(lambda: holders(engine, topic_name) == {b.name: 2}, "the kept partition to move over")
-        topic.publish(keys[0], "later", 3)
-        wait_until(lambda: bool(runs.of("later")), "the partition's later message")
-        wait_until(lambda: b.health().held == 0, "the last outcome")
-    finally:
-        go_on.set()
-        a.stop()
-        assert b.stop()
-    runs.check_no_overlap()
-    assert [(r[0], r[1]) for r in sorted(runs.runs, key=lambda r: r[2])] == [
-        ("a", "slow"),
-        ("b", "other"),
-        ("b", "later"),
-    ]
-    assert topic.dead_letters() == []
-    lag = group_lag(engine, topic_name, "g")
-    assert sum(p.head - p.watermark for p in lag) == 0  # every message acked (the slow one by its first run)
+# -- topics: never-started deliveries go back uncounted (what still runs is kept: tests/test_worker_contract.py) --
 
 
 def test_a_released_topic_delivery_comes_back_with_its_attempt_not_counted(
@@ -151,44 +91,8 @@ def test_a_released_topic_delivery_comes_back_with_its_attempt_not_counted(
     assert topic.dead_letters() == []
 
 
-# -- queues: a handler running past the shutdown timeout keeps its lock, extended, until it returns --------
-def test_a_queue_handler_running_past_the_shutdown_timeout_keeps_its_lock_until_it_returns(
-    engine: sa.Engine, queue_name: str, clock: ManualClock
-) -> None:
-    runs = Runs()
-    go_on = threading.Event()
-
-    class Slow(Handler):
-        queue = queue_name
-        visibility_timeout = 2 * SECOND
-
-        def handle(self, delivery: Delivery, conn: sa.Connection | None = None) -> None:
-            run = runs.begin("worker", delivery.key)
-            go_on.wait(30)
-            run[3] = time.monotonic()
-
-    worker = Worker(engine, [Slow], clock=clock, concurrency=2, **QUICK_STOP)
-    q = worker.queues[0]
-    other = DelayedQueue(engine, queue_name, clock=clock)  # another consumer of the queue
-    q.offer("job", 1)
-    worker.start()
-    try:
-        wait_until(lambda: bool(runs.of("job")), "the handler to start")
-        assert worker.stop()  # the shutdown timeout passes while the handler runs
-        assert other.try_poll() is None  # not released
-        for _ in range(3):  # the lock would have expired three times over: the heartbeat goes on
-            clock.advance(5 * SECOND)
-            wait_until(lambda: locked_beyond(q, "job", clock.now()), "the lock to be extended")
-            assert other.try_poll() is None
-        go_on.set()
-        wait_until(lambda: q.get("job") is None, "the late handler's ack")
-    finally:
-        go_on.set()
-        worker.stop()
-    runs.check_no_overlap()
-    assert [r[0] for r in runs.of("job")] == ["worker"]
-
-
+# (a handler running past the shutdown timeout keeps its lock or its partition until it returns, under both
+# drivers: tests/test_worker_contract.py)
 def locked_beyond(q: DelayedQueue, key: str, now: dt.datetime) -> bool:
     message = q.get(key)
     return message is not None and message.locked and message.scheduled_at > now

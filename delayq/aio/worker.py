@@ -1,20 +1,22 @@
-"""AsyncWorker: runs ``async def handle(...)`` handlers on an event loop, as ``Worker`` runs threads.
+"""AsyncWorker: the asyncio driver of the worker core (``delayq.runtime``): ``async def`` handlers as tasks.
 
-It is the threaded ``Worker`` with its waits made awaitable: the fair fetch (``Worker._fetch``),
-the leases (heartbeats, batched acks, release), the outcome of a failed attempt and the wake-up
-channel, and the topic consumers (``delayq.topics.consumer``: polls, rebalances, extensions,
-watermarks, outcomes) are the threaded worker's own, run in SQLAlchemy's greenlets. What differs: handlers are
-tasks (at most ``concurrency`` at once), the loops are tasks, every database call of the fetch loop
-and the heartbeat is bounded by ``stall_timeout`` (a cancelled call drops its connection), and
-PostgreSQL's LISTEN runs on an async psycopg connection.
+The core (``delayq.runtime._core.Core``) is the threaded ``Worker``'s own: the fair fetch over the
+sources, the jobs (heartbeats, batched acks, give-backs), the one outcome decision, the topic
+consumers (polls, rebalances, extensions, watermarks) and the schedules; its steps run in
+SQLAlchemy's greenlets. What this driver adds: handlers are tasks (at most ``concurrency`` at
+once), the loops are tasks, every database call of the core is bounded by ``stall_timeout`` (a
+cancelled call drops its connection), and PostgreSQL's LISTEN runs on an async psycopg connection.
 
 A handler past its ``Handler.timeout`` is cancelled by the worker (found by the heartbeat task, or by
 ``run_once`` as it waits): that is a failed attempt (``TimedOut``), retried or dead-lettered per the
 handler's policy, the one outcome decision (``delayq._outcome``). Any other cancellation of a
-handler's task (or the worker's) releases its message: due again at once, the attempt not counted.
-Cancelling ``run()`` releases everything held and re-raises at once; a stop (``stop()``,
-SIGINT/SIGTERM) is graceful: no new fetches, running handlers may finish within
-``shutdown_timeout``, the rest are cancelled and released.
+handler's task releases its message: due again at once, the attempt not counted.
+
+A stop (``stop()``, SIGINT/SIGTERM) is graceful, as the threaded worker's: no new claims, running
+handlers may finish within ``shutdown_timeout``; what still runs then is never released while it
+runs: ``run()`` returns, and a keeper task goes on extending its locks (and its topic partitions'
+leases) and records its outcome when the handler returns. Cancelling ``run()`` instead cancels the
+handlers, gives their messages back (the attempt not counted) and re-raises at once.
 """
 
 from __future__ import annotations
@@ -22,35 +24,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import functools
 import inspect
 import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from types import MappingProxyType
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from delayq import observe
 from delayq._outcome import TimedOut
 from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
 from delayq.clock import Clock
+from delayq.cron.service import CronService
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import Handler
-from delayq.leases import Lease, describe, overdue
 from delayq.messages import Delivery
+from delayq.queue import DelayedQueue
+from delayq.runtime._core import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Core, WorkerHealth, backoff, exit_now
+from delayq.runtime._jobs import Job, describe, overdue
+from delayq.runtime._sources import QueueSource
+from delayq.runtime._topics import TICK as TOPICS_TICK
+from delayq.runtime._topics import TopicConsumer, TopicJob
 from delayq.schema import DEFAULT_PREFIX
-from delayq.threads import DaemonPool, Task
-from delayq.topics.consumer import TICK as TOPICS_TICK
-from delayq.topics.consumer import Held, TopicConsumer
+from delayq.topics.delivery import LeaseLostError
 from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry, check_api
-from delayq.worker import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Worker, WorkerHealth, backoff
 
 __all__ = ["AsyncHandler", "AsyncWorker"]
 
@@ -77,34 +81,20 @@ class _NotBegun(Exception):
     """A transactional handler's transaction could not begin: the handler did not run."""
 
 
-class _StartNow(DaemonPool):
-    """The fetch's "pool" on the event loop: a submitted call runs at once (it starts a task)."""
-
-    def __init__(self) -> None:
-        super().__init__(0, "delayq-async")  # no threads
-
-    def submit(self, fn: Callable[[], None]) -> Task:
-        task = self.task(fn)
-        task.run()
-        return task
-
-    def shutdown(self) -> None:
-        pass
-
-
-class AsyncWorker(Worker):
-    """Consumes the queues of its ``AsyncHandler``s, and the topics of its async ``TopicHandler``s, on the
-    running event loop until stopped.
+class AsyncWorker:
+    """Consumes the queues of its ``AsyncHandler``s, and the topics of its ``TopicHandler``s, on the
+    running event loop until stopped; declared ``schedules`` are kept installed meanwhile.
 
     Args:
         engine: an ``AsyncEngine`` on the database holding delayq's tables. Its pool should allow
             a connection per transactional handler plus three (fetch, heartbeat, listener), and
-            one more with topic handlers.
-        handlers: ``AsyncHandler`` subclasses or instances, one per queue; ``TopicHandler`` ones
-            whose ``handle(delivery)`` is ``async def``, one per (topic, group), run through the
-            threaded worker's own topic consumers (not transactional ones yet). A topic handler
-            acts on its message by returning or raising (``Retry``, ``DeadLetter``), not through
-            ``delivery.ack()``.
+            one more with topic handlers (and one with schedules).
+        handlers: ``AsyncHandler`` subclasses or instances, one per queue; ``TopicHandler`` ones,
+            one per (topic, group): an ``async def handle`` runs as a task (a transactional one gets the
+            ``AsyncConnection`` of the transaction that acks its delivery, exactly once per group), a
+            plain ``def`` one on a thread (reported, never cancelled, past its ``timeout``).
+            A topic handler acts on its message by returning or raising (``Retry``, ``DeadLetter``),
+            not through ``delivery.ack()``.
         concurrency, poll_interval, shutdown_timeout, clock, table_prefix, schema, listen,
             stall_timeout: as for ``Worker`` (the same defaults).
         transient_retry: how the handlers' ``AsyncDelivery`` operations (and their queues')
@@ -113,9 +103,11 @@ class AsyncWorker(Worker):
 
     Use ``await worker.run()`` (SIGINT/SIGTERM stop it when run in the main thread),
     ``worker.start()`` + ``await worker.stop()`` inside an application, or
-    ``await worker.run_once()`` in tests and scripts. Declared ``schedules`` are not run here yet.
+    ``await worker.run_once()`` in tests and scripts. It drives the same core as ``Worker``
+    (``delayq.runtime``), by composition: it is not a ``Worker`` subclass.
     """
 
+    #: Whether ``handle`` may be a coroutine function; here it must be.
     runs_coroutines = True
 
     def __init__(
@@ -136,7 +128,7 @@ class AsyncWorker(Worker):
         check_api(engine, "AsyncWorker")  # a sync Engine: the error names delayq.Worker
         if not isinstance(engine, AsyncEngine):
             raise TypeError(f"AsyncWorker takes an AsyncEngine, not {type(engine).__name__}")
-        super().__init__(
+        core = self._core = Core(
             engine.sync_engine,
             handlers,
             concurrency=concurrency,
@@ -147,27 +139,33 @@ class AsyncWorker(Worker):
             schema=schema,
             listen=listen,
             stall_timeout=stall_timeout,
+            coroutines=True,
         )
+        self.engine = engine.sync_engine
         self.async_engine = engine
-        for c in self._topics.consumers:
-            name = type(c.handler).__name__
+        self.handlers = core.handlers
+        self.concurrency = core.concurrency
+        self.poll_interval = core.poll_interval
+        self.shutdown_timeout = core.shutdown_timeout
+        self.clock = clock
+        self.name = core.name
+        """This worker's name (``host:pid:random``, unique per worker): its topic handlers' subscriber name."""
+        self._on_threads: set[int] = set()  # id(consumer) of the sync topic handlers: each run on a thread
+        self._in_thread: set[int] = set()  # id(job) of the sync topic handlers whose thread runs now
+        for c in core.topics.consumers:
             if not inspect.iscoroutinefunction(c.handler.handle):
-                raise InvalidInputError(
-                    f"{name}.handle must be a coroutine (async def) in an AsyncWorker, or use delayq.Worker"
-                )
-            if c.handler.transactional:
-                raise InvalidInputError(
-                    f"{name}: AsyncWorker does not run transactional topic handlers yet (use delayq.Worker)"
-                )
+                if c.handler.transactional:
+                    raise InvalidInputError(
+                        f"{type(c.handler).__name__}: a transactional topic handler in an AsyncWorker needs an "
+                        "async def handle (its connection is the AsyncEngine's), or use delayq.Worker"
+                    )
+                self._on_threads.add(id(c))
             c.on_tasks = True
         self.async_queues: dict[str, AsyncDelayedQueue] = {}
-        for name, (h, _) in list(self._queues.items()):
+        for name, source in core.queue_sources.items():
+            h = source.handler
             if not inspect.iscoroutinefunction(h.handle):
                 raise InvalidInputError(f"{type(h).__name__}.handle must be a coroutine (async def) in an AsyncWorker")
-            if h.schedules:
-                raise InvalidInputError(
-                    f"{type(h).__name__} declares schedules: AsyncWorker does not run them yet (use delayq.Worker)"
-                )
             aq = AsyncDelayedQueue(
                 engine,
                 name,
@@ -180,21 +178,39 @@ class AsyncWorker(Worker):
                 max_deliveries=h.retry.max_attempts,
             )
             self.async_queues[name] = aq
-            self._queues[name] = (h, aq.sync)  # the sync core, retried by the worker's loops
-        self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(lease)
-        self._in_handler: set[int] = set()  # id(lease) of the handlers awaited now (only these are timed out)
-        self._timed_out: set[int] = set()  # id(lease) of the handlers cancelled at their timeout
-        self._unknown_claims: list[tuple[str, str]] = []  # (queue, token) of claims whose reply never came
+            source.queue = aq.sync  # the sync core, retried by the worker's loops
+            source.unknown_claims = []  # claims whose reply never came: given back by token
+        self._jobs = core.jobs
+        self._topics = core.topics
+        self._stopping = core.stopping
+        self._stopped = core.stopped
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(job)
+        self._in_handler: set[int] = set()  # id(job) of the handlers awaited now (only these are timed out)
+        self._timed_out: set[int] = set()  # id(job) of the handlers cancelled at their timeout
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
         self._acks_due: asyncio.Event | None = None  # a handled delivery awaits its ack
         self._acking_ends = False  # set: the ack task ends
         self._topics_end = False  # set: the topics task ends
+        self._schedules_end: asyncio.Event | None = None  # set: the schedule tasks end
         self._done: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._exit_timer: threading.Timer | None = None
+
+    @property
+    def queues(self) -> Sequence[DelayedQueue]:
+        """The queues this worker consumes (their sync cores; ``async_queues`` has the async ones)."""
+        return self._core.queues
+
+    @property
+    def handled(self) -> int:
+        """Deliveries finished (acked, retried or dead-lettered) so far, of queues and topics."""
+        return self._core.handled
 
     # -- lifecycle ------------------------------------------------------------------------------
-    async def run(self) -> None:  # type: ignore[override]
+    async def run(self) -> None:
         """Consume until ``stop()``, SIGINT/SIGTERM (a second one exits at once) or cancellation.
 
         Raises ``SchemaMissingError`` when delayq's tables are missing at the first fetch.
@@ -202,7 +218,7 @@ class AsyncWorker(Worker):
         self._stopping.clear()
         restore = self._install_loop_signal_handlers()
         try:
-            await self._serve_async()
+            await self._serve()
         finally:
             restore()
         if self._error is not None:
@@ -212,10 +228,13 @@ class AsyncWorker(Worker):
         """Run as a task of the running loop (no signal handling); ``await stop()`` ends it."""
         self._stopping.clear()
         self._stopped.clear()
-        self._main = asyncio.get_running_loop().create_task(self._serve_async(), name="delayq-worker")
+        self._main = asyncio.get_running_loop().create_task(self._serve(), name="delayq-worker")
 
-    async def stop(self, timeout: float | None = None) -> bool:  # type: ignore[override]
-        """Stop fetching, let running handlers finish, release the rest; True once fully stopped."""
+    async def stop(self, timeout: float | None = None) -> bool:
+        """Stop fetching, let running handlers finish within ``shutdown_timeout``; True once stopped.
+
+        Handlers still running then keep their messages, extended in the background (a task of
+        the loop) until they return (``health().held`` counts them)."""
         self._stopping.set()
         self._poke()
         if self._stopped.is_set() or self._done is None:
@@ -228,35 +247,30 @@ class AsyncWorker(Worker):
 
     def health(self) -> WorkerHealth:
         """Whether the worker runs, its loops are alive, how recently it fetched, how much it holds."""
-        running = not self._stopped.is_set()
-        last = self._last_fetch
-        return WorkerHealth(
-            running=running,
-            loops=MappingProxyType({name: running and not t.done() for name, t in self._loop_tasks.items()}),
-            seconds_since_fetch=None if last is None else time.monotonic() - last,
-            held=len(self._leases) + self._topics.running(),
-            stuck=self._leases.stuck() + self._topics.stuck(),
-        )
+        return self._core.health(lambda: {name: not t.done() for name, t in self._loop_tasks.items()})
 
-    async def run_once(self) -> int:  # type: ignore[override]
+    async def run_once(self) -> int:
         """Handle every message due now, then return how many were handled; a failed claim raises."""
-        self._pool = _StartNow()
+        core = self._core
         self._nudge = asyncio.Event()
         done = 0
+        if core.schedules.services:
+            await self._call(core.schedules.refresh)
         try:
             if self._topics:
                 await self._call(self._topics.rebalance)
             while True:
-                before = set(self._tasks.values())
                 try:
-                    started = await self._call(functools.partial(self._fetch, self.concurrency, guard=False))
+                    started = await self._call(
+                        core.fetch, self.concurrency, self._start_queue_job, self._start_topic_job, False
+                    )
                 finally:
                     await self._give_back_unknown_claims()
-                new = {t for t in self._tasks.values() if t not in before}
+                new = {t for job in started if (t := self._tasks.get(id(job))) is not None}
                 while new:  # (handlers past their timeout are cancelled meanwhile)
                     _, new = await asyncio.wait(new, timeout=HEARTBEAT_TICK)
                     self._cancel_overdue()
-                await self._call(self._flush_acks)
+                await self._flush_acks()
                 if not started:
                     return done
                 done += len(started)
@@ -265,11 +279,15 @@ class AsyncWorker(Worker):
                 await self._bounded(self._leave_topics)
 
     # -- loops ----------------------------------------------------------------------------------
-    async def _serve_async(self) -> None:
+    async def _serve(self) -> None:
+        core = self._core
+        if self._keeper is not None and not self._keeper.done():  # kept jobs of the last run: hand them over
+            self._keeper.cancel()
+            await asyncio.wait([self._keeper], timeout=5.0)
         self._stopped.clear()
         self._error = None
-        self._pool = _StartNow()
         self._nudge, self._acks_due, self._done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._schedules_end = asyncio.Event()
         self._acking_ends = self._topics_end = False
         current = asyncio.current_task()
         assert current is not None
@@ -278,17 +296,12 @@ class AsyncWorker(Worker):
             "heartbeat": asyncio.create_task(self._heartbeat_task()),
             "ack": asyncio.create_task(self._ack_task()),
         }
-        if self._listen and self._channel and dialect_for(self.engine).can_notify:
+        if core.listens:
             self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
         if self._topics:
             self._loop_tasks["topics"] = asyncio.create_task(self._topics_task())
-        log.info(
-            "async worker %s started: queues %s; topics %s; concurrency %d",
-            self.name,
-            ", ".join(self._queues) or "none",
-            self._topics or "none",
-            self.concurrency,
-        )
+        schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
+        log.info("async %s", core.started_line())
         cancelled = False
         try:
             await self._fetch_task()
@@ -300,23 +313,26 @@ class AsyncWorker(Worker):
             raise
         finally:
             try:
-                await self._shutdown_async(grace=0.0 if cancelled else self.shutdown_timeout)
+                await self._stop_schedules(schedules)
+                await self._shutdown(cancelled)
             finally:
                 for name, task in self._loop_tasks.items():
-                    if name != "fetch":
+                    if name != "fetch" and not (name == "heartbeat" and self._keeper is not None):
                         task.cancel()
                 self._stopped.set()
                 self._done.set()
 
     async def _fetch_task(self) -> None:
+        core = self._core
+        start_queue, start_topic = self._start_queue_job, self._start_topic_job
         idle_sleep, errors = MIN_IDLE_SLEEP, 0
         while not self._stopping.is_set():
             assert self._nudge is not None
             self._nudge.clear()  # a wake-up from now on ends the next pause
             await self._give_back_unknown_claims()
             try:  # (acks go out from their own task meanwhile)
-                free = self._free_slots()
-                started = await self._call(self._fetch, free) if free else []
+                free = core.free_slots()
+                started = await self._call(core.fetch, free, start_queue, start_topic) if free else []
                 errors = 0
             except SchemaMissingError:
                 raise
@@ -331,7 +347,7 @@ class AsyncWorker(Worker):
                     await self._pause(self.poll_interval)  # a handler that ends wakes it
             else:
                 try:
-                    until_due = await self._call(self._until_next_due)
+                    until_due = await self._call(core.until_next_due)
                 except Exception:  # (a stalled call) the claim reports database trouble; here: poll
                     until_due = self.poll_interval
                 await self._pause(min(idle_sleep, self.poll_interval, until_due))
@@ -344,7 +360,7 @@ class AsyncWorker(Worker):
         while True:
             self._cancel_overdue()
             try:
-                ok = await self._call(self._leases.beat)
+                ok = await self._call(self._core.beat)
             except Exception as exc:
                 log.warning("heartbeat: %s", describe(exc), exc_info=True)
                 ok = False
@@ -379,8 +395,31 @@ class AsyncWorker(Worker):
         for c in self._topics.consumers:
             c.leave()
 
+    async def _schedule_task(self, service: CronService) -> None:
+        """Keep one queue's declared schedules installed, as the threaded worker's cron thread does: a round
+        at once, then at the service's interval (``min_refresh`` after a failure)."""
+        assert self._schedules_end is not None
+        while not self._schedules_end.is_set():
+            try:
+                await self._call(service.refresh)
+                wait = service.refresh_interval()
+            except Exception as exc:  # a background loop survives anything: log, try again soon
+                log.warning("cron refresh of queue %s failed (%s); trying again soon", service.queue.name, exc)
+                wait = service.min_refresh
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._schedules_end.wait(), wait.total_seconds())
+
+    async def _stop_schedules(self, tasks: list[asyncio.Task[None]]) -> None:
+        """End the schedule tasks between two rounds; a round stuck for 5 s is cancelled."""
+        if self._schedules_end is not None:
+            self._schedules_end.set()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+            for t in tasks:
+                t.cancel()
+
     async def _ack_task(self) -> None:
-        """Ack handled deliveries in batches beside the claims, as ``Worker._ack_loop`` does: a claim and
+        """Ack handled deliveries in batches beside the claims, as ``Worker``'s ack loop does: a claim and
         an ack each wait for a round trip (and a commit); from two connections they do not wait for each other."""
         assert self._acks_due is not None
         while not self._acking_ends:
@@ -389,7 +428,7 @@ class AsyncWorker(Worker):
                 if not self._acking_ends:
                     await asyncio.sleep(ACK_GATHER)  # the rest of a batch's handlers finish meanwhile
             self._acks_due.clear()
-            await self._flush_acks_async()  # on a quiet tick too: what a row lock held back last time
+            await self._flush_acks()  # on a quiet tick too: what a row lock held back last time
 
     async def _stop_ack_task(self) -> None:
         """End the ack task (the shutdown acks from here on): a flush under way may finish, for 2 s at most."""
@@ -404,86 +443,97 @@ class AsyncWorker(Worker):
 
     async def _listen_task(self) -> None:
         errors = 0
+        queues = self._core.queue_sources
         while True:
             try:
-                async for queue_name in dialect_for(self.engine).listen_async(self.async_engine, self._channel):
+                async for queue_name in dialect_for(self.engine).listen_async(self.async_engine, self._core.channel):
                     errors = 0
-                    if queue_name in self._queues:
+                    if queue_name in queues:
                         self._poke()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
                 log.warning("LISTEN connection failed (%s); reconnecting in %.1fs", describe(exc), backoff(errors))
                 await asyncio.sleep(backoff(errors))
 
-    async def _shutdown_async(self, grace: float) -> None:
-        """Wait for running handlers (acking meanwhile) up to ``grace`` seconds, then cancel and
-        release what still runs."""
+    # -- shutdown -------------------------------------------------------------------------------
+    async def _shutdown(self, cancelled: bool) -> None:
+        """As the threaded worker's: no new claims; running handlers may finish within ``shutdown_timeout``
+        (acking meanwhile); what still runs then is kept (``_keep``), never released while it runs. A
+        cancelled ``run()`` cancels the handlers instead: each gives its message back."""
+        core = self._core
         await self._give_back_unknown_claims()
         await self._stop_ack_task()
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + (0.0 if cancelled else self.shutdown_timeout)
         while True:
-            await self._flush_acks_async()
+            await self._flush_acks()
             left = deadline - time.monotonic()
-            if self._free_slots() == self.concurrency or left <= 0:
+            if core.free_slots() == self.concurrency or left <= 0:
                 break
             await self._pause(min(0.1, left))
         running = list(self._tasks.values())
-        if running:
-            log.warning("%d handler(s) still running after %.0fs: cancelling them", len(running), grace)
+        if running and cancelled:
+            log.warning("run() cancelled: cancelling %d handler(s); their messages are given back", len(running))
             for task in running:
-                task.cancel()  # each releases its message
+                task.cancel()  # each gives its message back
             await asyncio.wait(running, timeout=5.0)
-        # A task cancelled before its first step never ran its handler, nor the release: give those back here.
-        unstarted = [x for x in self._leases.still_running() if (t := self._tasks.get(id(x))) is None or t.done()]
-        if unstarted:
-            await self._bounded(self._leases.release, unstarted, "cancelled before its handler started")
-        for c in self._topics.consumers:
-            for held in c.holding():
-                if (t := self._tasks.get(id(held))) is None or t.done():
-                    await self._bounded(c.give_back, held, self._poke, "cancelled before its handler started")
         if self._topics:
-            await self._stop_topics_task()  # no rebalance after leaving
-            await self._bounded(self._leave_topics)
-        await self._flush_acks_async()
-        unacked = self._leases.clear()
-        if unacked:
-            log.warning("%d handled message(s) could not be acked; they return after their timeout", unacked)
+            await self._stop_topics_task()  # no rebalance from here on
+        kept = [c for c in self._topics.consumers if c.running()]
+        for c in self._topics.consumers:
+            if c not in kept:
+                await self._bounded(c.leave)
+        await self._flush_acks()
+        if self._tasks:
+            core.warn_kept(len(self._tasks))
+            for c in kept:
+                await self._bounded(c.keep, True)  # hold only the busy partitions
+            self._keeper = asyncio.get_running_loop().create_task(self._keep(kept), name="delayq-keeper")
+        else:
+            core.forget_unacked()
         log.info("async worker stopped")
 
-    async def _flush_acks_async(self) -> None:
+    async def _keep(self, consumers: list[TopicConsumer]) -> None:
+        """After the stop, while kept handlers run: extend their locks (the heartbeat task goes on), cancel
+        them at their timeout, hold their partitions, ack what they finish; then leave and end."""
+        heartbeat = self._loop_tasks.get("heartbeat")
         try:
-            await self._call(self._flush_acks)
+            while self._tasks or consumers:
+                await asyncio.sleep(HEARTBEAT_TICK)
+                await self._flush_acks()
+                left = []
+                for c in consumers:
+                    try:
+                        if not await self._call(c.keep):
+                            left.append(c)
+                    except Exception as exc:  # (a stalled call) the next round tries again
+                        log.warning("topics: %s", describe(exc))
+                        left.append(c)
+                consumers = left
+            await self._flush_acks()
+            self._core.forget_unacked()
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            self._keeper = None
+
+    async def _flush_acks(self) -> None:
+        try:
+            await self._call(self._core.flush_acks)
         except Exception as exc:  # (a stalled call) the next flush tries again
             log.warning("could not ack: %s", describe(exc))
 
     # -- claims ---------------------------------------------------------------------------------
-    def _claim(self, name: str, limit: int, guard: bool) -> list[Task]:
-        """``Worker._claim``, noting a claim that did not come back: cancelled (``run()`` cancelled, or the
-        stall timeout) or failed while it was in flight. The server may have committed it, and no lease
-        holds its messages: ``_give_back_unknown_claims`` gives them back by the claim's token."""
-        queue = self._queues[name][1]
-        try:
-            started = super()._claim(name, limit, guard)
-        except BaseException:
-            self._note_unknown_claim(name, queue._claiming)
-            raise
-        self._note_unknown_claim(name, queue._claiming)  # set only when the claim failed (and was logged)
-        return started
-
-    def _note_unknown_claim(self, name: str, token: str | None) -> None:
-        if token is not None:
-            self._unknown_claims.append((name, token))
-
     async def _give_back_unknown_claims(self) -> None:
         """Give back what the claims that never came back took (due as when claimed, the attempt not counted),
         each in delayq's own retried transaction, bounded by ``stall_timeout``."""
-        while self._unknown_claims:
-            name, token = self._unknown_claims.pop()
-            await self._give_back_claim(self.async_queues[name], token)
+        for name, source in self._core.queue_sources.items():
+            tokens = source.unknown_claims
+            while tokens:
+                await self._give_back_claim(self.async_queues[name], tokens.pop())
 
     async def _give_back_claim(self, aq: AsyncDelayedQueue, token: str) -> None:
         try:
-            async with asyncio.timeout(self._stall_timeout):
+            async with asyncio.timeout(self._core.stall_timeout):
                 given = await aq.bridge.run(None, lambda u: aq.sync._give_back([token], using=u))
         except Exception as exc:
             log.warning(
@@ -496,119 +546,167 @@ class AsyncWorker(Worker):
         if given:
             log.info("queue %s: gave back %d message(s) of a claim whose reply never came", aq.name, given)
 
-    # -- one delivery ---------------------------------------------------------------------------
+    # -- one job --------------------------------------------------------------------------------
     def _cancel_overdue(self) -> None:
         """Cancel (once) each handler found running past its ``timeout``: a failed attempt, decided as any."""
-        for lease in self._leases.newly_overdue():
-            task = self._tasks.get(id(lease))
-            if task is None or task.done() or id(lease) not in self._in_handler:
-                continue  # (it returned, or records its outcome: that stands)
-            timeout = lease.handler.timeout
-            assert timeout is not None
-            overdue(lease.delivery.label, time.monotonic() - lease.started_at, timeout, cancelled=True)
-            observe.count("overdue", lease.queue.name)
-            self._timed_out.add(id(lease))
+        for job, label, timeout, counted_as in self._core.overdue_jobs():
+            task = self._tasks.get(id(job))
+            if task is None or task.done():
+                continue  # (it returned: that stands)
+            if id(job) in self._in_thread:  # a sync handler's thread cannot be stopped: reported, not cancelled
+                overdue(label, time.monotonic() - job.started_at, timeout)
+                observe.count("overdue", counted_as)
+                continue
+            if id(job) not in self._in_handler:
+                continue  # (it records its outcome: that stands)
+            overdue(label, time.monotonic() - job.started_at, timeout, cancelled=True)
+            observe.count("overdue", counted_as)
+            self._timed_out.add(id(job))
             task.cancel()
-        for c in self._topics.consumers:
-            for held in c.newly_overdue():
-                task = self._tasks.get(id(held))
-                if task is None or task.done() or id(held) not in self._in_handler:
-                    continue
-                timeout = c.handler.timeout
-                assert timeout is not None
-                overdue(held.label, time.monotonic() - held.started_at, timeout, cancelled=True)
-                observe.count("overdue", c.sub.topic)
-                self._timed_out.add(id(held))
-                task.cancel()
 
-    def _poll(self, consumer: TopicConsumer, limit: int, guard: bool) -> list[Task]:
-        """``Worker._poll``, each delivery's handler started as a task that records its outcome at the end."""
-        assert self._pool is not None
-        got = consumer.claim(
-            limit, self._pool, self._poke, guard, execute=functools.partial(self._start_topic, consumer)
-        )
-        if got is None:
-            return []
-        self._last_fetch = time.monotonic()
-        return got
+    def _start_queue_job(self, source: QueueSource, job: Job) -> None:
+        """Start a queue job's handler as a task (called by the core's fetch, on the loop's thread)."""
+        self._tasks[id(job)] = asyncio.get_running_loop().create_task(self._handle(job))
 
-    def _start_topic(self, consumer: TopicConsumer, held: Held, done: Callable[[], None]) -> None:
-        self._tasks[id(held)] = asyncio.get_running_loop().create_task(self._handle_topic(consumer, held, done))
+    def _start_topic_job(self, consumer: TopicConsumer, job: TopicJob) -> None:
+        self._tasks[id(job)] = asyncio.get_running_loop().create_task(self._handle_topic(consumer, job))
 
-    async def _handle_topic(self, consumer: TopicConsumer, held: Held, done: Callable[[], None]) -> None:
+    async def _handle_topic(self, consumer: TopicConsumer, job: TopicJob) -> None:
         """Await a topic handler; its outcome (``TopicConsumer.finish``: the one decision) is recorded in a
         greenlet. A timeout is a failed attempt; any other cancellation gives the delivery back."""
-        handle = cast(Callable[[Any], Awaitable[None]], consumer.handler.handle)  # async: checked at init
+        handler = consumer.handler
         error: Exception | None = None
+        done = self._poke
+        if id(consumer) in self._on_threads:
+            return await self._handle_topic_on_thread(consumer, job)
         try:
             try:
-                self._in_handler.add(id(held))
+                self._in_handler.add(id(job))
                 try:
-                    await handle(held.delivery)
+                    if handler.transactional:
+                        if not await self._handle_topic_in_transaction(consumer, job):
+                            await self._bounded(consumer.forget, job, done)
+                            return
+                    else:
+                        handle = cast(Callable[[Any], Awaitable[None]], handler.handle)  # async: checked at init
+                        await handle(job.delivery)
                 finally:
-                    self._in_handler.discard(id(held))
+                    self._in_handler.discard(id(job))
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if id(held) in self._timed_out and task is not None and task.uncancel() == 0:
-                    timeout = consumer.handler.timeout
+                if id(job) in self._timed_out and task is not None and task.uncancel() == 0:
+                    timeout = handler.timeout
                     assert timeout is not None
                     error = TimedOut(timeout)
                 else:
-                    await self._bounded(consumer.give_back, held, done, "its handler was cancelled")
+                    await self._bounded(consumer.give_back, job, done, "its handler was cancelled")
                     raise
+            except _NotBegun as exc:  # no connection for its transaction: the handler did not run, give it back
+                log.warning("%s: its transaction could not begin (%s)", job.label, describe(exc.__cause__ or exc))
+                await self._bounded(consumer.give_back, job, done, "the handler's transaction could not begin")
+                return
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
                 error = exc
-            await self._bounded(consumer.finish, held, error, done)
+            if handler.transactional and error is None:
+                await self._bounded(consumer.forget, job, done)  # acked in its transaction
+            else:
+                await self._bounded(consumer.finish, job, error, done)
         finally:
-            self._tasks.pop(id(held), None)
-            self._timed_out.discard(id(held))
+            self._tasks.pop(id(job), None)
+            self._timed_out.discard(id(job))
             self._poke()
 
-    def _execute(self, lease: Lease) -> None:
-        """Start the lease's handler as a task (called by ``Worker._fetch``, on the loop's thread)."""
-        self._tasks[id(lease)] = asyncio.get_running_loop().create_task(self._handle(lease))
+    async def _handle_topic_on_thread(self, consumer: TopicConsumer, job: TopicJob) -> None:
+        """A sync topic handler, run on a thread (``asyncio.to_thread``). A thread cannot be stopped: past its
+        ``timeout`` it is reported, not cancelled, and if its task is cancelled (``run()`` cancelled, the loop
+        ending) the delivery stays held until the thread returns; its outcome is then recorded as usual."""
+        thread = asyncio.ensure_future(asyncio.to_thread(consumer.handler.handle, job.delivery))
+        cancelled: asyncio.CancelledError | None = None
+        self._in_thread.add(id(job))
+        try:
+            while not thread.done():
+                try:
+                    await asyncio.shield(thread)
+                except asyncio.CancelledError as exc:
+                    if not thread.done():
+                        cancelled = exc  # the thread runs on: wait for it, then record its outcome
+                except Exception:
+                    pass  # (its outcome, below)
+            self._in_thread.discard(id(job))
+            error = thread.exception()
+            if error is not None and not isinstance(error, Exception):
+                raise error
+            await self._bounded(consumer.finish, job, error, self._poke)
+        finally:
+            self._in_thread.discard(id(job))
+            self._tasks.pop(id(job), None)
+            self._poke()
+        if cancelled is not None:
+            raise cancelled
 
-    async def _handle(self, lease: Lease) -> None:
-        handler, delivery = cast(AsyncHandler, lease.handler), lease.delivery  # async handle: checked at init
-        aq = self.async_queues[lease.queue.name]
+    async def _handle_topic_in_transaction(self, consumer: TopicConsumer, job: TopicJob) -> bool:
+        """Run a transactional topic handler and the fenced ack in delayq's one transaction, as the threaded
+        worker does (``Subscription.handle_exactly_once``: exactly once per group), the handler awaited
+        with an ``AsyncConnection`` on it; False when the lease or the delivery was lost (its writes rolled
+        back), ``_NotBegun`` when the transaction could not begin."""
+        handle = cast(Callable[[Any, AsyncConnection], Awaitable[None]], consumer.handler.handle)
+        begun = False
+
+        def in_transaction(conn: Connection) -> None:
+            nonlocal begun
+            begun = True  # from here on it is an attempt
+            await_only(handle(job.delivery, AsyncConnection(self.async_engine, conn)))
+
+        try:
+            await greenlet_spawn(consumer.sub.handle_exactly_once, job.delivery, in_transaction)
+        except LeaseLostError:
+            log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
+            return False
+        except Exception as exc:
+            if begun:
+                raise
+            raise _NotBegun from exc
+        return True
+
+    async def _handle(self, job: Job) -> None:
+        handler, delivery = cast(AsyncHandler, job.handler), job.delivery  # async handle: checked at init
+        aq = self.async_queues[job.queue.name]
         to_ack = False
         try:
-            self._in_handler.add(id(lease))
+            self._in_handler.add(id(job))
             try:
                 if handler.transactional:
-                    await self._handle_in_transaction_async(handler, aq, AsyncDelivery(delivery, aq))
+                    await self._handle_in_transaction(handler, aq, AsyncDelivery(delivery, aq))
                 else:
                     await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
                     to_ack = True
             finally:
-                self._in_handler.discard(id(lease))
+                self._in_handler.discard(id(job))
         except _NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
-            await self._bounded(self._leases.release, [lease], "the handler's transaction could not begin")
+            await self._bounded(self._jobs.release, [job], "the handler's transaction could not begin")
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if id(lease) in self._timed_out and task is not None and task.uncancel() == 0:
+            if id(job) in self._timed_out and task is not None and task.uncancel() == 0:
                 # Cancelled at its timeout, and by nothing else: a failed attempt, retried per the policy.
                 timeout = handler.timeout
                 assert timeout is not None
-                await self._bounded(self._record_failure_of, lease, TimedOut(timeout))
+                await self._bounded(_record_failure, job, TimedOut(timeout))
             else:  # the message goes back at once, the attempt not counted
-                await self._bounded(self._leases.release, [lease], "its handler was cancelled")
+                await self._bounded(self._jobs.release, [job], "its handler was cancelled")
                 raise
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-            await self._bounded(self._record_failure_of, lease, exc)
+            await self._bounded(_record_failure, job, exc)
         finally:
-            self._leases.finish(lease, to_ack)  # the ack follows, with others, from the ack task
-            self._tasks.pop(id(lease), None)
-            self._timed_out.discard(id(lease))
+            self._jobs.finish(job, to_ack)  # the ack follows, with others, from the ack task
+            self._tasks.pop(id(job), None)
+            self._timed_out.discard(id(job))
             if to_ack and self._acks_due is not None:
                 self._acks_due.set()
             self._poke()
 
     @staticmethod
-    async def _handle_in_transaction_async(
-        handler: AsyncHandler, aq: AsyncDelayedQueue, delivery: AsyncDelivery
-    ) -> None:
+    async def _handle_in_transaction(handler: AsyncHandler, aq: AsyncDelayedQueue, delivery: AsyncDelivery) -> None:
         """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin."""
         begun = False
         try:
@@ -623,33 +721,26 @@ class AsyncWorker(Worker):
                 raise
             raise _NotBegun from exc
 
-    def _record_failure_of(self, lease: Lease, exc: Exception) -> None:
-        """``Worker._record_failure`` in a greenlet, with ``exc`` as the exception being handled there
-        (the attempt history reads its type and traceback from ``sys.exc_info()``)."""
-        try:
-            raise exc
-        except Exception:
-            self._record_failure(lease, exc)
-
     # -- plumbing -------------------------------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """A sync call of the threaded worker's, in a greenlet, bounded by ``stall_timeout``.
+        """A sync step of the core, in a greenlet, bounded by ``stall_timeout``.
 
         A driver may take the timeout's cancellation in hand and raise ``CancelledError`` later
         (psycopg first waits up to 5 s for the server to cancel the query): when no one else asked
         to cancel this task, that is the stall timeout still, not the end of the worker.
         """
-        scope = asyncio.timeout(self._stall_timeout)
+        bound = self._core.stall_timeout
+        scope = asyncio.timeout(bound)
         try:
             async with scope:
                 return await greenlet_spawn(fn, *args)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if scope.expired() and task is not None and task.cancelling() == 0:
-                raise TimeoutError(f"a database call took longer than {self._stall_timeout}s") from None
+                raise TimeoutError(f"a database call took longer than {bound}s") from None
             raise
 
-    async def _bounded(self, fn: Callable[..., None], *args: Any) -> None:
+    async def _bounded(self, fn: Callable[..., Any], *args: Any) -> None:
         """``_call`` for recording an outcome: a stalled call is given up (the message comes back after its
         lock expires, as when its outcome cannot be recorded)."""
         try:
@@ -682,9 +773,8 @@ class AsyncWorker(Worker):
             count += 1
             if count > 1:
                 log.warning("second signal: exiting at once")
-                self._exit_now(signum, 0.0)
-            self._on_stop_signal(signum)
-            self._poke()
+                exit_now(signum, 0.0)
+            self._exit_timer = self._core.on_stop_signal(signum, self._poke)
 
         for s in signals:
             loop.add_signal_handler(s, on_signal, s)
@@ -697,6 +787,15 @@ class AsyncWorker(Worker):
                 loop.remove_signal_handler(s)
 
         return restore
+
+
+def _record_failure(job: Job, exc: Exception) -> None:
+    """``QueueSource.record_failure`` in a greenlet, with ``exc`` as the exception being handled there
+    (the attempt history reads its type and traceback from ``sys.exc_info()``)."""
+    try:
+        raise exc
+    except Exception:
+        QueueSource.record_failure(job, exc)
 
 
 async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:

@@ -3,7 +3,7 @@
 ``Topic`` publishes (idempotently, offsets in commit order per partition); ``Subscription`` is one
 subscriber of a consumer group: it shares the partitions with the group's other subscribers under
 fenced leases, polls, and acks, nacks or extends ``TopicDelivery`` objects. ``TopicHandler`` is a
-topic's consumer that the ``Worker`` runs beside queue handlers (``delayq.topics.consumer``).
+topic's consumer that a worker runs beside queue handlers (``delayq.runtime._topics``).
 """
 
 from delayq.topics.dead_letters import TopicDeadLetter

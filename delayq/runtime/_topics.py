@@ -1,8 +1,9 @@
-"""How a ``Worker`` runs ``TopicHandler``s: a ``Subscription`` per handler, fed by the worker's fetch loop.
+"""The topic source: how the worker core runs ``TopicHandler``s, a ``Subscription`` per handler.
 
-The worker's fetch loop calls ``TopicConsumer.claim`` with its share of the free slots (a poll of
-that many messages); each delivery runs on the worker's pool, and its outcome (ack, nack with the
-policy's delay, dead letter, or the exactly-once transaction) is recorded by the handler's thread.
+The core's fetch calls ``TopicConsumer.claim`` with its share of the free slots (a poll of that
+many messages); the driver starts each ``TopicJob`` (on a thread: ``run``; on the event loop: a
+task ending in ``finish``), and its outcome (ack, nack with the policy's delay, dead letter, or the
+exactly-once transaction) is recorded when its handler ends.
 A thread of its own (``TopicConsumers.loop``) keeps the subscriptions alive: it rebalances every
 third of the lease duration, extends the visibility of deliveries whose handlers still run, and
 advances the watermarks every few seconds. A poll and a rebalance of one subscription never
@@ -15,7 +16,6 @@ dropped; the partition's new holder gets the message after its visibility timeou
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
 import threading
 import time
@@ -31,8 +31,7 @@ from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
 from delayq.humanize import human
-from delayq.leases import describe, overdue, ran_past
-from delayq.threads import DaemonPool, Task
+from delayq.runtime._jobs import Cancellable, describe, overdue, ran_past
 from delayq.topics.delivery import LeaseLostError, TopicDelivery
 from delayq.topics.handler import TopicHandler
 from delayq.topics.names import dead_letter_topic
@@ -48,15 +47,19 @@ WATERMARK_INTERVAL = 5.0
 Backoff = Callable[[int], float]
 
 
+Start = Callable[["TopicConsumer", "TopicJob"], "Cancellable | None"]
+"""The driver's way to start a topic job's handler (``claim``'s ``start``)."""
+
+
 @dataclass(eq=False)
-class Held:
+class TopicJob:
     """A delivery the worker holds, from the poll until its outcome is recorded."""
 
     delivery: TopicDelivery
     extend_at: float
     """Monotonic time of its next extension."""
     invisible_until: dt.datetime
-    task: Task | None = None
+    task: Cancellable | None = None
     finishing: bool = False
     """The handler returned: its outcome is being recorded (the maintenance loop leaves it alone)."""
     lost: bool = False
@@ -82,8 +85,8 @@ class TopicConsumer:
         self.sub = sub
         self.clock = clock
         self._backoff = backoff
-        self._lock = threading.Lock()  # guards _held
-        self._held: dict[int, Held] = {}
+        self._lock = threading.Lock()  # guards _jobs
+        self._jobs: dict[int, TopicJob] = {}
         self._polling = threading.Lock()  # a poll and a rebalance never overlap
         self.handled = 0
         """Deliveries finished (acked, nacked, dead-lettered, or found lost) so far."""
@@ -110,14 +113,14 @@ class TopicConsumer:
     def running(self) -> int:
         """Deliveries held: handlers running or recording their outcome."""
         with self._lock:
-            return len(self._held)
+            return len(self._jobs)
 
     def stuck(self) -> int:
         """Handlers running past the handler's ``timeout``."""
         with self._lock:
-            return sum(1 for x in self._held.values() if x.overdue and not x.finishing)
+            return sum(1 for x in self._jobs.values() if x.overdue and not x.finishing)
 
-    def newly_overdue(self) -> list[Held]:
+    def newly_overdue(self) -> list[TopicJob]:
         """The deliveries whose handlers now run past the handler's ``timeout``, each returned once."""
         timeout = self.handler.timeout
         if timeout is None:
@@ -125,17 +128,17 @@ class TopicConsumer:
         with self._lock:
             found = [
                 x
-                for x in self._held.values()
+                for x in self._jobs.values()
                 if not (x.overdue or x.finishing) and ran_past(timeout, x.started_at, x.started_on_clock, self.clock)
             ]
             for x in found:
                 x.overdue = True
         return found
 
-    def holding(self) -> list[Held]:
+    def holding(self) -> list[TopicJob]:
         """The deliveries held now."""
         with self._lock:
-            return list(self._held.values())
+            return list(self._jobs.values())
 
     def _report_overdue(self, now: float) -> None:
         """Warn of (and count) each handler found running past its ``timeout``, once."""
@@ -151,18 +154,10 @@ class TopicConsumer:
         return now >= self._poll_at
 
     # -- the fetch loop's side ------------------------------------------------------------------
-    def claim(
-        self,
-        limit: int,
-        pool: DaemonPool,
-        done: Callable[[], None],
-        guard: bool = True,
-        execute: Callable[[Held, Callable[[], None]], None] | None = None,
-    ) -> list[Task] | None:
-        """Poll up to ``limit`` messages and start their handlers on ``pool`` (``done`` is called after
-        each); None when the poll failed (logged, this consumer backs off). With ``guard=False`` a
-        failed poll raises. ``execute(held, done)`` runs one delivery (default: the handler on this
-        thread, then its outcome; an ``AsyncWorker`` starts a task that ends in ``finish``)."""
+    def claim(self, limit: int, start: Start, guard: bool = True) -> list[TopicJob] | None:
+        """Poll up to ``limit`` messages and hand each to ``start`` (the driver starts its handler: on a
+        thread, ``run``; on the event loop, a task that ends in ``finish``); None when the poll failed
+        (logged, this consumer backs off). With ``guard=False`` a failed poll raises."""
         if not self._polling.acquire(blocking=False):  # a rebalance runs: poll at the next round
             return []
         try:
@@ -180,22 +175,22 @@ class TopicConsumer:
                 return None
             self._poll_errors = 0
             vt = self.handler.visibility_timeout.total_seconds()
-            tasks = []
+            jobs = []
             for d in deliveries:
-                held = Held(d, extend_at=before + vt / 2, invisible_until=d.invisible_until, started_at=before)
-                held.started_on_clock = None if self.clock is None else self.clock.now()
+                job = TopicJob(d, extend_at=before + vt / 2, invisible_until=d.invisible_until, started_at=before)
+                job.started_on_clock = None if self.clock is None else self.clock.now()
                 with self._lock:
-                    self._held[id(held)] = held
-                held.task = pool.submit(functools.partial(execute or self._execute, held, done))
-                tasks.append(held.task)
-            return tasks
+                    self._jobs[id(job)] = job
+                job.task = start(self, job)
+                jobs.append(job)
+            return jobs
         finally:
             self._polling.release()
 
     # -- one delivery ---------------------------------------------------------------------------
-    def _execute(self, held: Held, done: Callable[[], None]) -> None:
-        d, handler = held.delivery, self.handler
-        log.debug("%s: handling", held.label)
+    def run(self, job: TopicJob, done: Callable[[], None]) -> None:
+        d, handler = job.delivery, self.handler
+        log.debug("%s: handling", job.label)
         begun = not handler.transactional
 
         def in_transaction(conn: Connection) -> None:
@@ -210,74 +205,76 @@ class TopicConsumer:
                 else:
                     handler.handle(d)
             except LeaseLostError:
-                held.finishing = True
-                log.warning("%s: lease lost while handling; its writes were rolled back", held.label)
+                job.finishing = True
+                log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
                 return
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-                held.finishing = True
+                job.finishing = True
                 if begun:
-                    self._record_failure(held, exc)
+                    self.record_failure(job, exc)
                 else:  # no connection for its transaction: the handler did not run, give it back
-                    log.warning("%s: its transaction could not begin (%s)", held.label, describe(exc))
-                    self._release([held], "the handler's transaction could not begin")
+                    log.warning("%s: its transaction could not begin (%s)", job.label, describe(exc))
+                    self._release([job], "the handler's transaction could not begin")
                 return
-            held.finishing = True
+            job.finishing = True
             if not handler.transactional:
-                self._ack(held)
+                self._ack(job)
         finally:
-            self._forget(held, done)
+            self.forget(job, done)
 
-    def finish(self, held: Held, error: Exception | None, done: Callable[[], None]) -> None:
+    def finish(self, job: TopicJob, error: Exception | None, done: Callable[[], None]) -> None:
         """Record the outcome of a handler that returned (``error`` None: ack) or raised (nack or dead letter,
         as ``decide`` says), then forget the delivery; never raises (failures are logged)."""
         try:
-            held.finishing = True
+            job.finishing = True
             if error is None:
-                self._ack(held)
+                self._ack(job)
             else:
-                self._record_failure(held, error)
+                self.record_failure(job, error)
         finally:
-            self._forget(held, done)
+            self.forget(job, done)
 
-    def give_back(self, held: Held, done: Callable[[], None], why: str) -> None:
+    def give_back(self, job: TopicJob, done: Callable[[], None], why: str) -> None:
         """Release a delivery whose handler was stopped (the attempt not counted), then forget it."""
         try:
-            held.finishing = True
-            self._release([held], why)
+            job.finishing = True
+            self._release([job], why)
         finally:
-            self._forget(held, done)
+            self.forget(job, done)
 
-    def _forget(self, held: Held, done: Callable[[], None]) -> None:
+    def forget(self, job: TopicJob, done: Callable[[], None]) -> None:
+        """Forget a job whose outcome is recorded (or lost), and call ``done``."""
+        job.finishing = True
         with self._lock:
-            if self._held.pop(id(held), None) is None:
+            if self._jobs.pop(id(job), None) is None:
                 return  # forgotten already
             self.handled += 1
         done()
 
-    def _ack(self, held: Held) -> None:
+    def _ack(self, job: TopicJob) -> None:
         try:
-            if self.sub.ack(held.delivery):
-                log.debug("%s: handled", held.label)
+            if self.sub.ack(job.delivery):
+                log.debug("%s: handled", job.label)
             else:
-                log.warning("%s: lease lost before the ack; the partition's holder gets it again", held.label)
+                log.warning("%s: lease lost before the ack; the partition's holder gets it again", job.label)
         except Exception as exc:  # (delayq retried transient errors already)
-            log.warning("%s: could not ack (%s); it will be delivered again", held.label, describe(exc))
+            log.warning("%s: could not ack (%s); it will be delivered again", job.label, describe(exc))
 
-    def _record_failure(self, held: Held, exc: Exception) -> None:
+    def record_failure(self, job: TopicJob, exc: Exception) -> None:
         """Record what ``decide`` makes of a failed attempt: a nack with a delay, or the dead-letter topic."""
-        d = held.delivery
+        d = job.delivery
         outcome = after_failure(exc, d.attempts, self.handler.retry)
         traceback = None if isinstance(exc, (Retry, DeadLetter)) else exc
         try:
             if isinstance(outcome, Bury):
                 dlq = dead_letter_topic(d.topic)
-                log.warning("%s: failed, moved to %s: %s", held.label, dlq, outcome.reason, exc_info=traceback)
+                log.warning("%s: failed, moved to %s: %s", job.label, dlq, outcome.reason, exc_info=traceback)
                 recorded = self.sub.fail(d, outcome.reason)
             else:
                 log.log(
                     logging.INFO if traceback is None else logging.WARNING,
                     "%s: %s, next in %s: %s",
-                    held.label,
+                    job.label,
                     "retry requested" if outcome.requested else "failed",
                     human(outcome.delay),
                     outcome.error,
@@ -285,10 +282,10 @@ class TopicConsumer:
                 )
                 recorded = self.sub.nack(d, outcome.delay, outcome.error)
             if not recorded:
-                log.warning("%s: lease lost before the outcome was recorded", held.label)
+                log.warning("%s: lease lost before the outcome was recorded", job.label)
         except Exception as db_error:
             log.warning(
-                "%s: could not record the outcome (%s); it will be delivered again", held.label, describe(db_error)
+                "%s: could not record the outcome (%s); it will be delivered again", job.label, describe(db_error)
             )
 
     # -- the maintenance loop's side ------------------------------------------------------------
@@ -322,7 +319,7 @@ class TopicConsumer:
             return  # a poll runs (greenlets): at the next round
         try:
             with self._lock:
-                busy = {x.delivery.partition for x in self._held.values()}
+                busy = {x.delivery.partition for x in self._jobs.values()}
             before = set(self.sub.held)
             held = set(self.sub.rebalance(busy=busy))
         finally:
@@ -347,7 +344,7 @@ class TopicConsumer:
         with self._lock:
             due = [
                 x
-                for x in self._held.values()
+                for x in self._jobs.values()
                 if not (x.finishing or x.lost)
                 and (now >= x.extend_at or (clock_now is not None and clock_now >= x.invisible_until - vt / 2))
             ]
@@ -365,14 +362,14 @@ class TopicConsumer:
         """Keep the handlers not yet started from starting, and give their messages back: deliverable
         again at once for the partition's next holder, the attempt not counted."""
         with self._lock:
-            held = [x for x in self._held.values() if x.task is not None and x.task.cancel()]
-            for x in held:
-                self._held.pop(id(x), None)
-        self._release(held, "never started")
+            unstarted = [x for x in self._jobs.values() if x.task is not None and x.task.cancel()]
+            for x in unstarted:
+                self._jobs.pop(id(x), None)
+        self._release(unstarted, "never started")
 
-    def _release(self, held: list[Held], why: str) -> None:
+    def _release(self, jobs: list[TopicJob], why: str) -> None:
         released = 0
-        for x in held:
+        for x in jobs:
             try:
                 released += self.sub.release(x.delivery)
             except Exception as exc:
@@ -405,7 +402,7 @@ class TopicConsumer:
     def _hold_busy(self) -> None:
         with self._polling:
             with self._lock:
-                busy = {x.delivery.partition for x in self._held.values()}
+                busy = {x.delivery.partition for x in self._jobs.values()}
             self.sub.rebalance(busy=busy, leaving=True)
         self._rebalance_at = time.monotonic() + self._rebalance_every
         self._rebalanced_on_clock = None if self.clock is None else self.clock.now()

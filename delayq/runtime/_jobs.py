@@ -1,8 +1,9 @@
-"""The deliveries a worker holds: their heartbeats, their acks, their release.
+"""The queue jobs a worker holds: their heartbeats, their acks, their release.
 
-A lease runs from the claim until the message's outcome is recorded: while its handler runs, and
+A job is one delivery the worker holds (a topic's is a ``TopicJob``, ``delayq.runtime._topics``):
+from the claim until the message's outcome is recorded: while its handler runs, and
 after the handler returned until the ack deletes the message. The heartbeat extends the locks of
-the leases due, with one ``extend_many`` per queue; acks go out with one ``ack_many`` per queue.
+the jobs due, with one ``extend_many`` per queue; acks go out with one ``ack_many`` per queue.
 Neither ever waits on a row lock that another transaction holds: such a row is tried again at
 the next round, while the lock is still held. Timers are ``time.monotonic()``; with an injected
 clock the lock's expiry in that clock's time counts too.
@@ -16,19 +17,25 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from delayq.clock import Clock
 from delayq.handler import Handler
 from delayq.humanize import human
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
-from delayq.threads import Task
 
 log = logging.getLogger("delayq.worker")
 
 
+class Cancellable(Protocol):
+    """A driver's handle on a started job: ``cancel()`` keeps it from starting, False once it has started."""
+
+    def cancel(self) -> bool: ...
+
+
 @dataclass(eq=False, slots=True)
-class Lease:
+class Job:
     """A delivery the worker holds, from the claim until its outcome is recorded."""
 
     handler: Handler
@@ -38,7 +45,7 @@ class Lease:
     """Monotonic time of its next heartbeat."""
     valid_until: float
     """Monotonic time until which the lock surely holds (from before the claim or the last extension)."""
-    task: Task | None = None
+    task: Cancellable | None = None
     done: bool = False
     """The handler returned: awaiting the ack."""
     acking: bool = False
@@ -53,60 +60,60 @@ class Lease:
     """Its handler was found running past ``Handler.timeout`` (reported once)."""
 
 
-class Leases:
-    """The leases of one worker; thread-safe."""
+class Jobs:
+    """The jobs of one worker; thread-safe."""
 
     def __init__(self, clock: Clock | None) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._leases: dict[int, Lease] = {}
-        self._running = 0  # leases whose handler has not returned (kept, not counted: asked per freed slot)
+        self._jobs: dict[int, Job] = {}
+        self._running = 0  # jobs whose handler has not returned (kept, not counted: asked per freed slot)
         self.handled = 0
         """Deliveries finished (acked, retried, dead-lettered, or found lost) so far."""
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._leases)
+            return len(self._jobs)
 
-    def add(self, handler: Handler, queue: DelayedQueue, delivery: Delivery, claimed_at: float) -> Lease:
-        """A lease on a delivery claimed by a statement sent at monotonic time ``claimed_at``."""
+    def add(self, handler: Handler, queue: DelayedQueue, delivery: Delivery, claimed_at: float) -> Job:
+        """A job on a delivery claimed by a statement sent at monotonic time ``claimed_at``."""
         vt = handler.visibility_timeout.total_seconds()
-        lease = Lease(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
-        lease.started_at = claimed_at
-        lease.started_on_clock = None if self.clock is None else self.clock.now()
+        job = Job(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
+        job.started_at = claimed_at
+        job.started_on_clock = None if self.clock is None else self.clock.now()
         with self._lock:
-            self._leases[id(lease)] = lease
+            self._jobs[id(job)] = job
             self._running += 1
-        return lease
+        return job
 
     def running(self) -> int:
         """How many handlers run."""
         return self._running
 
-    def finish(self, lease: Lease, to_ack: bool) -> None:
+    def finish(self, job: Job, to_ack: bool) -> None:
         """The handler returned; ``to_ack`` when its message awaits the ack (else its outcome is recorded)."""
         with self._lock:
-            if id(lease) not in self._leases:  # released by a shutdown meanwhile
+            if id(job) not in self._jobs:  # released by a shutdown meanwhile
                 return
             self._running -= 1
-            if to_ack and not lease.lost:
-                lease.done = True
+            if to_ack and not job.lost:
+                job.done = True
             else:
-                del self._leases[id(lease)]
+                del self._jobs[id(job)]
                 self.handled += 1
 
-    def cancel_unstarted(self) -> list[Lease]:
-        """The leases whose handlers had not started, now kept from starting."""
+    def cancel_unstarted(self) -> list[Job]:
+        """The jobs whose handlers had not started, now kept from starting."""
         with self._lock:
-            leases = list(self._leases.values())
-        return [x for x in leases if not x.done and x.task is not None and x.task.cancel()]
+            jobs = list(self._jobs.values())
+        return [x for x in jobs if not x.done and x.task is not None and x.task.cancel()]
 
-    def newly_overdue(self) -> list[Lease]:
-        """The leases whose handlers now run past their ``timeout``, each returned once."""
+    def newly_overdue(self) -> list[Job]:
+        """The jobs whose handlers now run past their ``timeout``, each returned once."""
         with self._lock:
             found = [
                 x
-                for x in self._leases.values()
+                for x in self._jobs.values()
                 if not (x.done or x.overdue)
                 and ran_past(x.handler.timeout, x.started_at, x.started_on_clock, self.clock)
             ]
@@ -117,27 +124,27 @@ class Leases:
     def stuck(self) -> int:
         """How many handlers run past their ``timeout``."""
         with self._lock:
-            return sum(1 for x in self._leases.values() if x.overdue and not x.done)
+            return sum(1 for x in self._jobs.values() if x.overdue and not x.done)
 
-    def still_running(self) -> list[Lease]:
+    def still_running(self) -> list[Job]:
         with self._lock:
-            return [x for x in self._leases.values() if not x.done]
+            return [x for x in self._jobs.values() if not x.done]
 
     def clear(self) -> int:
-        """Forget every lease (their locks run out by themselves); how many there were."""
+        """Forget every job (their locks run out by themselves); how many there were."""
         with self._lock:
-            left = len(self._leases)
-            self._leases.clear()
+            left = len(self._jobs)
+            self._jobs.clear()
             self._running = 0
             return left
 
     def forget_handled(self) -> int:
-        """Forget the leases whose handlers returned but whose acks did not go out (their locks run out by
-        themselves); how many. The leases of running handlers stay: their locks are extended until they return."""
+        """Forget the jobs whose handlers returned but whose acks did not go out (their locks run out by
+        themselves); how many. The jobs of running handlers stay: their locks are extended until they return."""
         with self._lock:
-            handled = [k for k, x in self._leases.items() if x.done]
+            handled = [k for k, x in self._jobs.items() if x.done]
             for k in handled:
-                del self._leases[k]
+                del self._jobs[k]
             return len(handled)
 
     # -- acks -----------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ class Leases:
         statement failed) is tried again at the next flush, while the lock still holds.
         """
         with self._lock:
-            pending = [x for x in self._leases.values() if x.done and not x.acking and not x.lost]
+            pending = [x for x in self._jobs.values() if x.done and not x.acking and not x.lost]
             for x in pending:
                 x.acking = True
         for queue, group in by_queue(pending):
@@ -167,7 +174,7 @@ class Leases:
                     for x in group:
                         x.acking = False
 
-    def _ack(self, queue: DelayedQueue, group: list[Lease]) -> None:
+    def _ack(self, queue: DelayedQueue, group: list[Job]) -> None:
         acked = queue.ack_many([x.delivery for x in group], skip_locked=True)
         gone = group
         if acked < len(group):  # which are still ours (row locked elsewhere), which are gone?
@@ -184,15 +191,15 @@ class Leases:
                 log.info("queue %s: %d message(s) locked elsewhere; acked later", queue.name, len(group) - len(gone))
         with self._lock:
             for x in gone:
-                if self._leases.pop(id(x), None) is not None:
+                if self._jobs.pop(id(x), None) is not None:
                     self.handled += 1
 
-    def _forget_expired(self, group: list[Lease]) -> None:
+    def _forget_expired(self, group: list[Job]) -> None:
         """Stop trying to ack deliveries whose locks may have expired: they are delivered again."""
         expired = [x for x in group if not self._lock_valid(x)]
         with self._lock:
             for x in expired:
-                self._leases.pop(id(x), None)
+                self._jobs.pop(id(x), None)
         for x in expired:
             log.warning("%s: not acked before its lock expired; it will be delivered again", x.delivery.label)
 
@@ -201,7 +208,7 @@ class Leases:
         """Extend the locks due: one ``extend_many`` per queue. False when one of them failed."""
         now = time.monotonic()
         with self._lock:
-            due = [x for x in self._leases.values() if not x.acking and not x.lost and self._extend_due(x, now)]
+            due = [x for x in self._jobs.values() if not x.acking and not x.lost and self._extend_due(x, now)]
         ok = True
         for queue, group in by_queue(due):
             try:
@@ -211,7 +218,7 @@ class Leases:
                 log.warning("queue %s: could not extend %d lock(s): %s", queue.name, len(group), describe(exc))
         return ok
 
-    def _extend(self, queue: DelayedQueue, group: list[Lease]) -> tuple[list[Delivery], list[Delivery]]:
+    def _extend(self, queue: DelayedQueue, group: list[Job]) -> tuple[list[Delivery], list[Delivery]]:
         """Extend the locks of one queue's ``group``; note which were extended and which were lost.
 
         A delivery in neither list has its row locked by another transaction: it stays due and is
@@ -228,37 +235,37 @@ class Leases:
                 of[id(d)].valid_until = before + vt.total_seconds()
             for d in lost:
                 x = of[id(d)]
-                if x.acking or x.lost or id(x) not in self._leases:
+                if x.acking or x.lost or id(x) not in self._jobs:
                     continue  # acked meanwhile, or reported already
                 x.lost = True
                 newly_lost.append(x)
                 if x.done:  # handled, and never to be acked
-                    del self._leases[id(x)]
+                    del self._jobs[id(x)]
                     self.handled += 1
         for x in newly_lost:
             log.warning("%s: lock lost; another consumer may have it", x.delivery.label)
         return extended, lost
 
-    def _extend_due(self, lease: Lease, now: float) -> bool:
-        if now >= lease.extend_at:
+    def _extend_due(self, job: Job, now: float) -> bool:
+        if now >= job.extend_at:
             return True
         # On an injected clock the lock's expiry is in that clock's time, which tests move by hand.
-        half = lease.handler.visibility_timeout / 2
-        return self.clock is not None and self.clock.now() >= lease.delivery.locked_until - half
+        half = job.handler.visibility_timeout / 2
+        return self.clock is not None and self.clock.now() >= job.delivery.locked_until - half
 
-    def _lock_valid(self, lease: Lease) -> bool:
-        if time.monotonic() >= lease.valid_until:
+    def _lock_valid(self, job: Job) -> bool:
+        if time.monotonic() >= job.valid_until:
             return False
-        return self.clock is None or self.clock.now() < lease.delivery.locked_until
+        return self.clock is None or self.clock.now() < job.delivery.locked_until
 
     # -- release --------------------------------------------------------------------------------
-    def release(self, leases: list[Lease], why: str) -> None:
+    def release(self, jobs: list[Job], why: str) -> None:
         """Give messages back, due again at once, the attempt not counted: one statement per queue."""
         with self._lock:
-            for x in leases:
-                if self._leases.pop(id(x), None) is not None and not x.done:
+            for x in jobs:
+                if self._jobs.pop(id(x), None) is not None and not x.done:
                     self._running -= 1
-        for queue, group in by_queue(leases):
+        for queue, group in by_queue(jobs):
             try:
                 queue.release([x.delivery for x in group])
                 log.info("queue %s: released %d message(s) (%s)", queue.name, len(group), why)
@@ -271,10 +278,10 @@ class Leases:
                 )
 
 
-def by_queue(leases: Iterable[Lease]) -> list[tuple[DelayedQueue, list[Lease]]]:
-    """The leases grouped by queue, for one statement per queue."""
-    groups: dict[str, tuple[DelayedQueue, list[Lease]]] = {}
-    for x in leases:
+def by_queue(jobs: Iterable[Job]) -> list[tuple[DelayedQueue, list[Job]]]:
+    """The jobs grouped by queue, for one statement per queue."""
+    groups: dict[str, tuple[DelayedQueue, list[Job]]] = {}
+    for x in jobs:
         groups.setdefault(x.queue.name, (x.queue, []))[1].append(x)
     return list(groups.values())
 

@@ -1,0 +1,484 @@
+"""The worker contract, once for both drivers of the one runtime core: threads (``Worker``) and asyncio
+tasks (``AsyncWorker``), on every backend.
+
+Each test is written once against ``Driver``: it makes a worker of the driver's kind over the backend,
+and wraps a test's sync handler body in the driver's handler (an ``async def handle`` that runs the body
+in a thread, or, for a transactional handler, on the transaction's sync connection). The asyncio worker
+runs on an event loop of its own thread, so a test reads the same whichever driver runs: it starts,
+waits for what it expects (never for a time), stops. The manual clock moves locks, leases and due times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import sqlalchemy as sa
+from conftest import Backend, make_async_engine
+from test_topics_worker import holders, keys_for
+from test_worker import wait_until
+from test_worker_shutdown import Runs, locked_beyond
+
+from delayq import (
+    DeadLetter,
+    DelayedQueue,
+    Delivery,
+    Handler,
+    ManualClock,
+    RetryPolicy,
+    Schedule,
+    Topic,
+    TopicDelivery,
+    TopicHandler,
+    Worker,
+    WorkerHealth,
+    observe,
+)
+from delayq.aio import AsyncHandler, AsyncWorker
+from delayq.schema import make_tables
+from delayq.topics import group_lag
+
+SECOND = dt.timedelta(seconds=1)
+FAST = {"poll_interval": dt.timedelta(milliseconds=20), "listen": False}
+QUICK_STOP = {**FAST, "shutdown_timeout": dt.timedelta(milliseconds=200)}
+T = TypeVar("T")
+Body = Callable[[Any, Any], None]
+
+
+class Running:
+    """A worker of either driver behind one sync surface."""
+
+    def __init__(self, driver: Driver, worker: Worker | AsyncWorker) -> None:
+        self.driver = driver
+        self.worker = worker
+
+    @property
+    def name(self) -> str:
+        return self.worker.name
+
+    @property
+    def handled(self) -> int:
+        return self.worker.handled
+
+    def health(self) -> WorkerHealth:
+        return self.worker.health()
+
+    def start(self) -> None:
+        if isinstance(self.worker, AsyncWorker):
+            worker = self.worker
+
+            async def start() -> None:
+                worker.start()
+
+            self.driver.call(start())
+        else:
+            self.worker.start()
+
+    def stop(self) -> bool:
+        if isinstance(self.worker, AsyncWorker):
+            return self.driver.call(self.worker.stop())
+        return self.worker.stop()
+
+    def run_once(self) -> int:
+        if isinstance(self.worker, AsyncWorker):
+            return self.driver.call(self.worker.run_once())
+        return self.worker.run_once()
+
+
+class Driver:
+    """Threads or asyncio: makes workers and handlers of its kind over a backend."""
+
+    def __init__(self, kind: str, backend: Backend) -> None:
+        self.kind = kind
+        self.backend = backend
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.async_engine: Any = None
+        self._thread: threading.Thread | None = None
+        if kind == "asyncio":
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+            self._thread.start()
+            self.async_engine = make_async_engine(backend.url)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop is None:
+            return
+        self.call(self.async_engine.dispose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        assert self._thread is not None
+        self._thread.join(10)
+        self.loop.close()
+
+    def worker(self, handlers: list[Any], **options: Any) -> Running:
+        if self.kind == "asyncio":
+            return Running(self, AsyncWorker(self.async_engine, handlers, **options))
+        return Running(self, Worker(self.backend.engine, handlers, **options))
+
+    def queue_handler(self, queue_name: str, body: Body, **attrs: Any) -> Handler:
+        """A queue handler running ``body(delivery, conn)`` (the sync ``Delivery``; ``conn`` when transactional)."""
+        if self.kind == "asyncio":
+
+            async def handle_async(self: Any, d: Any, conn: Any = None) -> None:
+                if conn is None:
+                    await asyncio.to_thread(body, d.delivery, None)
+                else:
+                    await conn.run_sync(lambda c: body(d.delivery, c))
+
+            cls = type("ContractAsyncHandler", (AsyncHandler,), {"queue": queue_name, "handle": handle_async, **attrs})
+            return cls()  # type: ignore[no-any-return]
+
+        def handle(self: Any, d: Delivery, conn: Any = None) -> None:
+            body(d, conn)
+
+        return type("ContractHandler", (Handler,), {"queue": queue_name, "handle": handle, **attrs})()  # type: ignore[no-any-return]
+
+    def topic_handler(self, topic: str, body: Body, **attrs: Any) -> TopicHandler:
+        attrs.setdefault("lease_duration", 3 * SECOND)  # a rebalance every second of real time
+        attrs.setdefault("visibility_timeout", 30 * SECOND)
+        if self.kind == "asyncio":
+
+            async def handle_async(self: Any, d: TopicDelivery, conn: Any = None) -> None:
+                if conn is None:
+                    await asyncio.to_thread(body, d, None)
+                else:
+                    await conn.run_sync(lambda c: body(d, c))
+
+            handle: Any = handle_async
+        else:
+
+            def handle(self: Any, d: TopicDelivery, conn: Any = None) -> None:
+                body(d, conn)
+
+        cls = type("ContractTopicHandler", (TopicHandler,), {"topic": topic, "group": "g", "handle": handle, **attrs})
+        return cls()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["threads", "asyncio"])
+def driver(request: pytest.FixtureRequest, backend: Backend) -> Iterator[Driver]:
+    d = Driver(request.param, backend)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def topic_name() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+# -- queue handlers: the one outcome decision ------------------------------------------------------------
+def test_queue_handlers_ack_retry_and_dead_letter_per_the_policy(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    seen: list[tuple[str, int]] = []
+
+    def body(d: Delivery, _: object) -> None:
+        seen.append((d.key, d.attempts))
+        if d.key == "flaky" and d.attempts == 1:
+            raise ValueError("once")
+        if d.key == "bad":
+            raise DeadLetter("no such order")
+        if d.key == "broken":
+            raise RuntimeError("always")
+
+    handler = driver.queue_handler(queue_name, body, retry=RetryPolicy.fixed(dt.timedelta(0), max_attempts=2))
+    worker = driver.worker([handler], clock=clock, **FAST)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    for key in ("ok", "flaky", "bad", "broken"):
+        q.offer(key, {"k": key})
+    assert worker.run_once() == 6  # ok, flaky twice, bad, broken twice
+    assert sorted(seen) == sorted([("ok", 1), ("flaky", 1), ("flaky", 2), ("bad", 1), ("broken", 1), ("broken", 2)])
+    stats = q.stats()
+    assert (stats.ready, stats.scheduled, stats.in_flight) == (0, 0, 0)
+    dead = {d.key: (d.attempts, d.last_error) for d in q.dead_letters()}
+    assert dead == {"bad": (1, "no such order"), "broken": (2, "RuntimeError: always")}
+    assert worker.handled == 6
+
+
+# -- topic handlers: exactly once, the fenced ack in the handler's transaction ------------------------------
+@pytest.fixture
+def effects(backend: Backend) -> Iterator[sa.Table]:
+    metadata = sa.MetaData()
+    table = sa.Table(
+        f"contract_effects_{uuid.uuid4().hex[:8]}",
+        metadata,
+        sa.Column("message_id", sa.String(100)),
+        sa.Column("attempt", sa.Integer),
+    )
+    metadata.create_all(backend.engine)
+    yield table
+    metadata.drop_all(backend.engine)
+
+
+def test_a_transactional_topic_handler_writes_its_effect_once_per_group(
+    driver: Driver, topic_name: str, clock: ManualClock, effects: sa.Table
+) -> None:
+    engine = driver.backend.engine
+    topic = Topic(engine, topic_name, clock=clock)
+    topic.create(2)
+    leases = make_tables().topics.leases
+    lock = threading.Lock()
+    delivered: set[str] = set()
+    stolen: list[str] = []
+
+    def body(d: TopicDelivery, conn: sa.Connection | None) -> None:
+        assert conn is not None
+        conn.execute(effects.insert().values(message_id=d.message_id, attempt=d.attempts))
+        with lock:
+            delivered.add(d.message_id)
+        if d.attempts == 1 and int(d.message_id[1:]) % 5 == 0:
+            with lock:
+                stolen.append(d.message_id)
+            steal = (
+                leases.update()
+                .where(leases.c.consumer_group == "g", leases.c.topic == topic_name, leases.c.partition == d.partition)
+                .values(holder="thief", epoch=leases.c.epoch + 1, expires_at=0)
+            )
+            if driver.backend.name == "sqlite" or driver.kind == "asyncio":
+                # Play the thief in this transaction: SQLite has one writer at a time, and on the event loop a
+                # blocking call from another connection would wait on the lease row another task's transaction
+                # holds, with the loop itself blocked (the thread worker's test steals from another connection).
+                conn.execute(steal)
+            else:  # another subscriber takes the partition (and lets it go at once)
+                with engine.begin() as other:
+                    other.execute(steal)
+
+    handler = driver.topic_handler(topic_name, body, transactional=True, retry=RetryPolicy.fixed(dt.timedelta(0)))
+    worker = driver.worker([handler], clock=clock, concurrency=2, **FAST)
+    ids = [f"m{i}" for i in range(20)]
+    topic.publish_many([(f"key{i % 4}", m, i) for i, m in enumerate(ids)])
+    worker.start()
+    try:
+        wait_until(lambda: delivered == set(ids) and worker.health().held == 0, "the first pass")
+        clock.advance(31 * SECOND)  # the deliveries whose writes rolled back come again
+        wait_until(lambda: count(engine, effects) == 20, "every message's effect")
+    finally:
+        assert worker.stop()
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(effects.c.message_id, sa.func.count()).group_by(effects.c.message_id)).all()
+    assert dict(rows) == dict.fromkeys(ids, 1)
+    assert sorted(stolen) == ["m0", "m10", "m15", "m5"]
+
+
+def count(engine: sa.Engine, table: sa.Table) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+
+
+# -- schedules -------------------------------------------------------------------------------------------
+def test_a_worker_keeps_the_schedules_declared_on_its_handlers(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    seen: list[Any] = []
+    schedules = (Schedule.periodic("tick", dt.timedelta(minutes=1), payload={"tick": True}),)
+    handler = driver.queue_handler(queue_name, lambda d, _: seen.append(d.payload), schedules=schedules)
+    workers = [driver.worker([handler], clock=clock, **FAST) for _ in range(2)]
+    assert [w.run_once() for w in workers] == [0, 0]  # both install; nothing is due yet
+    clock.advance(dt.timedelta(minutes=1))
+    assert sum(w.run_once() for w in workers) == 1  # one run, however many workers declare it
+    clock.advance(dt.timedelta(minutes=1))
+    assert sum(w.run_once() for w in workers) == 1
+    assert seen == [{"tick": True}] * 2
+
+
+def test_a_running_worker_installs_its_schedules_in_the_background(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    seen: list[Any] = []
+    schedules = (Schedule.periodic("tick", dt.timedelta(minutes=1), payload={"tick": True}),)
+    handler = driver.queue_handler(queue_name, lambda d, _: seen.append(d.payload), schedules=schedules)
+    worker = driver.worker([handler], clock=clock, **FAST)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    worker.start()
+    try:
+        wait_until(lambda: q.stats().scheduled > 0, "the schedule's runs to be installed")
+        clock.advance(dt.timedelta(minutes=1))
+        wait_until(lambda: seen == [{"tick": True}], "the first run")
+    finally:
+        assert worker.stop()
+
+
+# -- shutdown: what still runs is never released while it runs -------------------------------------------
+def test_a_queue_handler_running_past_the_shutdown_timeout_keeps_its_lock_until_it_returns(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    runs = Runs()
+    go_on = threading.Event()
+
+    def body(d: Delivery, _: object) -> None:
+        run = runs.begin("worker", d.key)
+        go_on.wait(30)
+        run[3] = time.monotonic()
+
+    handler = driver.queue_handler(queue_name, body, visibility_timeout=2 * SECOND)
+    worker = driver.worker([handler], clock=clock, concurrency=2, **QUICK_STOP)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    other = DelayedQueue(driver.backend.engine, queue_name, clock=clock)  # another consumer of the queue
+    q.offer("job", 1)
+    worker.start()
+    try:
+        wait_until(lambda: bool(runs.of("job")), "the handler to start")
+        assert worker.stop()  # the shutdown timeout passes while the handler runs
+        assert worker.health().held == 1  # kept
+        assert other.try_poll() is None  # not released
+        for _ in range(3):  # the lock would have expired three times over: the heartbeat goes on
+            clock.advance(5 * SECOND)
+            wait_until(lambda: locked_beyond(q, "job", clock.now()), "the lock to be extended")
+            assert other.try_poll() is None
+        go_on.set()
+        wait_until(lambda: q.get("job") is None, "the late handler's ack")
+        wait_until(lambda: worker.health().held == 0, "the kept job to end")
+    finally:
+        go_on.set()
+        worker.stop()
+    runs.check_no_overlap()
+    assert [r[0] for r in runs.of("job")] == ["worker"]
+    assert q.dead_letters() == []
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_a_topic_handler_running_past_the_shutdown_timeout_keeps_its_partition_until_it_returns(
+    driver: Driver, topic_name: str, clock: ManualClock, max_attempts: int
+) -> None:
+    engine = driver.backend.engine
+    topic = Topic(engine, topic_name, clock=clock)
+    topic.create(2)
+    keys = keys_for(2)
+    runs = Runs()
+    go_on = threading.Event()
+
+    def body(holder: str) -> Body:
+        def handle(d: TopicDelivery, _: object) -> None:
+            run = runs.begin(holder, d.message_id)
+            if d.message_id == "slow":
+                go_on.wait(30)
+            run[3] = time.monotonic()
+
+        return handle
+
+    def worker(holder: str) -> Running:
+        handler = driver.topic_handler(topic_name, body(holder), retry=RetryPolicy(max_attempts=max_attempts))
+        return driver.worker([handler], clock=clock, concurrency=2, **QUICK_STOP)
+
+    a, b = worker("a"), worker("b")
+    a.start()
+    try:
+        wait_until(lambda: holders(engine, topic_name) == {a.name: 2}, "the first worker to hold both partitions")
+        topic.publish(keys[0], "slow", 1)
+        wait_until(lambda: bool(runs.of("slow")), "the slow handler to start")
+        assert a.stop()  # the shutdown timeout passes while the handler runs
+        b.start()
+        topic.publish(keys[1], "other", 2)
+        wait_until(lambda: bool(runs.of("other")), "the second worker to take the idle partition")
+        assert [r[0] for r in runs.of("slow")] == ["a"]  # nobody else got it while its handler ran
+        assert holders(engine, topic_name) == {a.name: 1, b.name: 1}  # the running handler's partition is kept
+        go_on.set()
+        # The handler returns: its ack is recorded, then the stopped worker leaves the group.
+        wait_until(lambda: holders(engine, topic_name) == {b.name: 2}, "the kept partition to move over")
+        topic.publish(keys[0], "later", 3)
+        wait_until(lambda: bool(runs.of("later")), "the partition's later message")
+        wait_until(lambda: a.health().held == 0 and b.health().held == 0, "the last outcomes")
+    finally:
+        go_on.set()
+        a.stop()
+        assert b.stop()
+    runs.check_no_overlap()
+    assert [(r[0], r[1]) for r in sorted(runs.runs, key=lambda r: r[2])] == [
+        ("a", "slow"),
+        ("b", "other"),
+        ("b", "later"),
+    ]
+    assert topic.dead_letters() == []
+    assert sum(p.head - p.watermark for p in group_lag(engine, topic_name, "g")) == 0  # the slow one acked
+
+
+# -- per-job timeout: a thread is reported and kept, a task is cancelled; never two runs at once -----------
+class Overdue(observe.Observer):
+    reads_database = False
+
+    def __init__(self) -> None:
+        self.seen: Counter[str] = Counter()
+
+    def counted(self, event: observe.Event, queue: str, n: int) -> None:
+        if event == "overdue":
+            self.seen[queue] += n
+
+
+@pytest.fixture
+def overdue() -> Iterator[Overdue]:
+    found = Overdue()
+    observe.add(found)
+    yield found
+    observe.remove(found)
+
+
+def test_a_handler_past_its_timeout_is_never_run_twice_at_once(
+    driver: Driver, queue_name: str, clock: ManualClock, overdue: Overdue
+) -> None:
+    """The core finds a job past ``Handler.timeout`` once. A thread cannot be stopped: it is reported, its
+    message stays held (extended) and is acked when it returns. A task is cancelled: a failed attempt
+    (``TimedOut``), retried per the policy only once the task has ended."""
+    runs = Runs()
+    go_on = threading.Event()
+    attrs = {
+        "timeout": 30 * SECOND,
+        "visibility_timeout": 5 * 60 * SECOND,  # the clock's jump past the timeout stays inside it
+        "retry": RetryPolicy.fixed(dt.timedelta(0), max_attempts=3),
+    }
+    handler: Handler
+    if driver.kind == "asyncio":
+
+        async def handle(self: Any, d: Any, conn: Any = None) -> None:
+            run = runs.begin(f"attempt {d.attempts}", d.key)
+            try:
+                if d.attempts == 1:
+                    await asyncio.Event().wait()  # hangs until its timeout cancels it
+            finally:
+                run[3] = time.monotonic()
+
+        handler = type("Slow", (AsyncHandler,), {"queue": queue_name, "handle": handle, **attrs})()
+
+    else:
+
+        def body(d: Delivery, _: object) -> None:
+            run = runs.begin(f"attempt {d.attempts}", d.key)
+            go_on.wait(30)
+            run[3] = time.monotonic()
+
+        handler = driver.queue_handler(queue_name, body, **attrs)
+    worker = driver.worker([handler], clock=clock, concurrency=2, **FAST)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer("job", 1)
+    worker.start()
+    try:
+        wait_until(lambda: bool(runs.of("job")), "the handler to start")
+        clock.advance(31 * SECOND)  # past the timeout
+        wait_until(lambda: overdue.seen[queue_name] == 1, "the handler to be found overdue")
+        if driver.kind == "asyncio":
+            wait_until(lambda: q.get("job") is None, "the retry's ack")
+            assert [r[0] for r in runs.of("job")] == ["attempt 1", "attempt 2"]
+        else:
+            assert worker.health().stuck == 1
+            assert q.try_poll() is None  # still held: the thread lives
+            go_on.set()
+            wait_until(lambda: q.get("job") is None, "the late handler's ack")
+            assert [r[0] for r in runs.of("job")] == ["attempt 1"]
+        assert worker.health().stuck == 0
+    finally:
+        go_on.set()
+        assert worker.stop()
+    runs.check_no_overlap()
+    assert overdue.seen[queue_name] == 1  # found once
+    assert q.dead_letters() == []
