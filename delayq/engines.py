@@ -9,6 +9,11 @@ Each gets the dialect's ``network_timeouts`` as connect arguments, unless the UR
 - MariaDB/MySQL (mysqlclient): ``connect_timeout`` 10 s, ``read_timeout`` and ``write_timeout`` 60 s.
 - SQLite: nothing (no network).
 
+``create_async_engine`` makes the ``AsyncEngine`` of ``delayq worker --driver asyncio`` from the same URL,
+on the database's asyncio driver (``async_url``), with the same timeouts where the driver has them:
+psycopg's are libpq's (as above); asyncpg's ``timeout`` (connect) 10 s; asyncmy has a ``connect_timeout``
+only (no read or write timeout); aiosqlite nothing.
+
 Engines an application builds with ``sqlalchemy.create_engine`` are left as they are.
 """
 
@@ -22,7 +27,7 @@ import sqlalchemy as sa
 
 from delayq.dialects import bounds, dialect_class
 
-__all__ = ["READ_BOUND_SECONDS", "create_engine", "read_bound"]
+__all__ = ["READ_BOUND_SECONDS", "async_url", "create_async_engine", "create_engine", "read_bound"]
 
 READ_BOUND_SECONDS = 60.0
 """How long a command waits for one database call before it drops the connection and fails."""
@@ -43,6 +48,43 @@ def create_engine(
     if pool_size is None:
         return sa.create_engine(parsed, poolclass=sa.pool.NullPool, connect_args=connect_args, **kwargs)
     return sa.create_engine(parsed, pool_size=pool_size, max_overflow=max_overflow, connect_args=connect_args, **kwargs)
+
+
+ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite", "mysql": "asyncmy", "mariadb": "asyncmy"}
+"""The asyncio driver a backend's sync URL gets in ``async_url``."""
+_ASYNC_NAMES = {"psycopg_async", "asyncpg", "aiosqlite", "asyncmy", "aiomysql"}
+_ASYNC_TIMEOUTS = {"asyncmy": ("connect_timeout",), "aiomysql": ("connect_timeout",), "aiosqlite": ()}
+
+
+def async_url(url: str | sa.URL) -> sa.URL:
+    """``url`` with its backend's asyncio driver (``ASYNC_DRIVERS``): ``postgresql+psycopg`` (psycopg's async
+    connection), ``sqlite+aiosqlite``, ``mysql+asyncmy``; a URL that names an asyncio driver already
+    (asyncpg, aiomysql, ...) as it is."""
+    parsed = sa.engine.make_url(url)
+    driver = parsed.get_driver_name()
+    if driver in _ASYNC_NAMES or driver == "psycopg":  # psycopg 3: one driver, sync and async
+        return parsed
+    backend = parsed.get_backend_name()
+    if backend not in ASYNC_DRIVERS:
+        dialect_class(backend)  # UnsupportedDatabaseError, naming the supported ones
+    return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
+
+
+def create_async_engine(url: str | sa.URL, *, pool_size: int, max_overflow: int = 10, **kwargs: Any) -> Any:
+    """An ``AsyncEngine`` on ``async_url(url)`` with the network timeouts its driver has, a pool of
+    ``pool_size`` connections (plus ``max_overflow``). ``kwargs`` go to SQLAlchemy."""
+    from sqlalchemy.ext.asyncio import create_async_engine as create
+
+    parsed = async_url(url)
+    driver = parsed.get_driver_name()
+    defaults = dialect_class(parsed.get_backend_name(), driver).network_timeouts
+    if driver in _ASYNC_TIMEOUTS:
+        defaults = {k: v for k, v in defaults.items() if k in _ASYNC_TIMEOUTS[driver]}
+    connect_args = {k: v for k, v in defaults.items() if k not in parsed.query}
+    connect_args.update(kwargs.pop("connect_args", {}))
+    if parsed.get_backend_name() == "sqlite":
+        return create(parsed, connect_args=connect_args, **kwargs)
+    return create(parsed, pool_size=pool_size, max_overflow=max_overflow, connect_args=connect_args, **kwargs)
 
 
 @contextmanager

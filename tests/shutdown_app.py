@@ -5,11 +5,14 @@ of topic DELAYQ_TEST_NAME, group ``g``). Each call leaves ``{id}.{pid}.started``
 ``{id}.{pid}.done`` in DELAYQ_TEST_MARKERS, holding ``time.time()`` when written; a call takes
 DELAYQ_TEST_HANDLER_SECONDS. DELAYQ_TEST_EXIT_DELAY seconds pass at exit, after ``run()`` returned
 (an application's own clean-up), while the handler threads still run; then it leaves
-``process.{pid}.exit``.
+``process.{pid}.exit``. DELAYQ_TEST_DRIVER=asyncio makes the handlers coroutines (for
+``delayq worker --driver asyncio``); a coroutine cancelled at the worker's exit leaves
+``{id}.{pid}.cancelled`` as it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import datetime as dt
 import os
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 from delayq import Delivery, Handler, TopicDelivery, TopicHandler
+from delayq.aio import AsyncDelivery, AsyncHandler
 
 NAME = os.environ.get("DELAYQ_TEST_NAME", "unset")
 SECOND = dt.timedelta(seconds=1)
@@ -60,5 +64,36 @@ class Events(TopicHandler):
         record(delivery.message_id)
 
 
-handlers = [Jobs] if os.environ.get("DELAYQ_TEST_KIND") == "queue" else [Events]
+async def record_async(message: str) -> None:
+    mark(f"{message}.started")
+    try:
+        await asyncio.sleep(float(os.environ.get("DELAYQ_TEST_HANDLER_SECONDS", "0")))
+    except asyncio.CancelledError:
+        mark(f"{message}.cancelled")  # when the coroutine stopped running: it runs no more after this
+        raise
+    mark(f"{message}.done")
+
+
+class AsyncJobs(AsyncHandler):
+    queue = NAME
+    visibility_timeout = SECOND
+
+    async def handle(self, delivery: AsyncDelivery, conn: object = None) -> None:
+        await record_async(delivery.key)
+
+
+class AsyncEvents(TopicHandler):
+    topic = NAME
+    group = "g"
+    visibility_timeout = SECOND
+    lease_duration = 1.5 * SECOND
+
+    async def handle(self, delivery: TopicDelivery, conn: object = None) -> None:  # type: ignore[override]
+        await record_async(delivery.message_id)
+
+
+if os.environ.get("DELAYQ_TEST_DRIVER") == "asyncio":
+    handlers: list[type[Handler]] = [AsyncJobs] if os.environ.get("DELAYQ_TEST_KIND") == "queue" else [AsyncEvents]
+else:
+    handlers = [Jobs] if os.environ.get("DELAYQ_TEST_KIND") == "queue" else [Events]
 atexit.register(exit_slowly)

@@ -22,14 +22,15 @@ from delayq.worker import SIGNAL_GRACE
 SERVERS = ["postgresql", "mysql"]
 
 
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
 @pytest.mark.parametrize("server", SERVERS)
 def test_sigterm_stops_a_worker_whose_database_went_silent_in_bounded_time(
-    server: str, backend_urls: dict[str, str], queue_name: str, tmp_path: Path
+    server: str, backend_urls: dict[str, str], queue_name: str, tmp_path: Path, driver: str
 ) -> None:
     b = _backend(server, backend_urls)
     with FaultProxy.for_url(b.url) as proxy:
         through = Backend(server, proxy.url_for(b.url), b.engine)
-        worker = start_worker(through, queue_name, tmp_path, seconds=0, shutdown_timeout=1)
+        worker = start_worker(through, queue_name, tmp_path, seconds=0, shutdown_timeout=1, driver=driver)
         try:
             DelayedQueue(b.engine, queue_name).offer("before", 1)
             wait_until(lambda: any(tmp_path.glob("before.*.done")), "the worker handles a message")

@@ -26,6 +26,7 @@ def start_worker(
     concurrency: int = 4,
     visibility: float = 2.0,
     shutdown_timeout: float = 20.0,
+    driver: str = "threads",
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -34,6 +35,7 @@ def start_worker(
         "DELAYQ_TEST_MARKERS": str(markers),
         "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
         "DELAYQ_TEST_VISIBILITY": str(visibility),
+        "DELAYQ_TEST_DRIVER": driver,
         "PYTHONPATH": str(REPO_ROOT / "tests"),
     }
     return subprocess.Popen(
@@ -47,6 +49,8 @@ def start_worker(
             str(concurrency),
             "--shutdown-timeout",
             str(shutdown_timeout),
+            "--driver",
+            driver,
         ],
         env=env,
         cwd=REPO_ROOT,
@@ -69,17 +73,21 @@ def markers_of(markers: Path, suffix: str) -> dict[str, str]:
     return {p.name: p.read_text() for p in markers.glob(f"*.{suffix}")}
 
 
+DRIVERS = pytest.mark.parametrize("driver", ["threads", "asyncio"])
+
+
+@DRIVERS
 def test_a_killed_worker_loses_nothing(
-    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]], driver: str
 ) -> None:
     q = DelayedQueue(backend.engine, queue_name)
     q.offer("job", {"n": 1})
-    doomed = start_worker(backend, queue_name, tmp_path, seconds=120, visibility=1.0)
+    doomed = start_worker(backend, queue_name, tmp_path, seconds=120, visibility=1.0, driver=driver)
     processes.append(doomed)
     wait_until(lambda: bool(markers_of(tmp_path, "started")), "the first worker to start the handler")
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(10)
-    survivor = start_worker(backend, queue_name, tmp_path, seconds=0, visibility=1.0)
+    survivor = start_worker(backend, queue_name, tmp_path, seconds=0, visibility=1.0, driver=driver)
     processes.append(survivor)
     wait_until(lambda: q.get("job") is None, "another worker to handle the message")
     done = markers_of(tmp_path, "done")
@@ -87,12 +95,13 @@ def test_a_killed_worker_loses_nothing(
     assert done[f"job.{survivor.pid}.done"] == "2"  # the second delivery
 
 
+@DRIVERS
 def test_sigterm_lets_running_handlers_finish_and_exits_zero(
-    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]], driver: str
 ) -> None:
     q = DelayedQueue(backend.engine, queue_name)
     q.offer_many([(f"m{i}", i, None) for i in range(15)])
-    worker = start_worker(backend, queue_name, tmp_path, seconds=2.0, concurrency=10, visibility=30.0)
+    worker = start_worker(backend, queue_name, tmp_path, seconds=2.0, concurrency=10, visibility=30.0, driver=driver)
     processes.append(worker)
     wait_until(lambda: len(markers_of(tmp_path, "started")) == 10, "ten handlers to start")
     worker.send_signal(signal.SIGTERM)

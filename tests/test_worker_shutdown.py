@@ -100,7 +100,14 @@ def locked_beyond(q: DelayedQueue, key: str, now: dt.datetime) -> bool:
 
 # -- `delayq worker` processes: SIGTERM while a handler outlives --shutdown-timeout -------------------------
 def start_worker(
-    backend: Backend, kind: str, name: str, markers: Path, *, seconds: float, exit_delay: float = 0
+    backend: Backend,
+    kind: str,
+    name: str,
+    markers: Path,
+    *,
+    seconds: float,
+    exit_delay: float = 0,
+    driver: str = "threads",
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -110,9 +117,11 @@ def start_worker(
         "DELAYQ_TEST_MARKERS": str(markers),
         "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
         "DELAYQ_TEST_EXIT_DELAY": str(exit_delay),
+        "DELAYQ_TEST_DRIVER": driver,
         "PYTHONPATH": str(REPO_ROOT / "tests"),
     }
     command = [sys.executable, "-m", "delayq.cli", "worker", "shutdown_app:handlers", "--shutdown-timeout", "1"]
+    command += ["--driver", driver]
     return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -135,9 +144,10 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(10)
 
 
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
 @pytest.mark.parametrize("kind", ["queue", "topic"])
 def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_runs(
-    backend: Backend, kind: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    backend: Backend, kind: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]], driver: str
 ) -> None:
     name = f"s-{uuid.uuid4().hex[:12]}"
     if kind == "queue":
@@ -146,10 +156,10 @@ def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_r
         Topic(backend.engine, name).create(1)
         Topic(backend.engine, name).publish("k", "job", 1)
     # The first worker's handler outlives its shutdown timeout (1 s) and its process lives 2 s more.
-    first = start_worker(backend, kind, name, tmp_path, seconds=30, exit_delay=2)
+    first = start_worker(backend, kind, name, tmp_path, seconds=30, exit_delay=2, driver=driver)
     processes.append(first)
     wait_until(lambda: bool(marker_times(tmp_path, "started")), "the first worker's handler to start")
-    second = start_worker(backend, kind, name, tmp_path, seconds=0)
+    second = start_worker(backend, kind, name, tmp_path, seconds=0, driver=driver)
     processes.append(second)
     first.send_signal(signal.SIGTERM)
     output = first.communicate(timeout=30)[0].decode()
@@ -158,9 +168,15 @@ def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_r
     started = marker_times(tmp_path, "started")
     assert sorted(pid for _, pid in started) == sorted([first.pid, second.pid])  # once each: nothing else ran
     assert ("job", first.pid) not in marker_times(tmp_path, "done")  # (the first never finished)
-    # Not while the first process lived: its last act was after the stop, with the handler running.
-    first_exit = marker_times(tmp_path, "exit")["process", first.pid]
-    assert started["job", second.pid] > first_exit, output
+    if driver == "threads":
+        # Not while the first process lived: its last act was after the stop, with the handler running.
+        first_exit = marker_times(tmp_path, "exit")["process", first.pid]
+        assert started["job", second.pid] > first_exit, output
+    else:
+        # The coroutine that outlived the stop is cancelled as the worker exits (asyncio.run's end), and
+        # its message given back only then: not while the handler still ran.
+        ended = marker_times(tmp_path, "cancelled")["job", first.pid]
+        assert started["job", second.pid] > ended, output
     if kind == "queue":
         wait_until(lambda: DelayedQueue(backend.engine, name).get("job") is None, "the second worker's ack")
     else:

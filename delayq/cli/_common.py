@@ -65,6 +65,10 @@ DRIVER_HINTS = {
     "psycopg": install_hint("postgres"),
     "MySQLdb": install_hint("mysql"),
     "pymysql": f"pip install pymysql, or write mysql+mysqldb://... and {install_hint('mysql')}",
+    "greenlet": install_hint("asyncio"),
+    "aiosqlite": install_hint("asyncio-sqlite"),
+    "asyncmy": install_hint("asyncio-mysql"),
+    "asyncpg": install_hint("asyncio-asyncpg"),
     "psycopg2": f"pip install psycopg2-binary, or write postgresql+psycopg://... and {install_hint('postgres')}",
 }
 OTHER_DRIVERS = {
@@ -82,7 +86,7 @@ ASYNC_DRIVERS = {
 }
 
 
-def check_url(url: str) -> sa.engine.URL | None:
+def check_url(url: str, async_hint: str = "") -> sa.engine.URL | None:
     """The parsed URL; a ``Fail`` for an asyncio driver or a SQLite file that is not there (never created here)."""
     try:
         parsed = sa.engine.make_url(url)
@@ -102,7 +106,7 @@ def check_url(url: str) -> sa.engine.URL | None:
     if sync is not None:
         raise Fail(
             f"{parsed.drivername} is an asyncio driver, for the delayq.aio API: the command line needs a "
-            f"synchronous one, e.g. {sync}... with the same host and database"
+            f"synchronous one, e.g. {sync}... with the same host and database{async_hint}"
         )
     if driver in OTHER_DRIVERS:
         module, tested = OTHER_DRIVERS[driver]

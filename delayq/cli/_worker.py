@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import importlib
+import inspect
 import logging
 import sys
 import traceback
+from typing import TYPE_CHECKING, Any
 
 import click
 import sqlalchemy as sa
@@ -16,7 +19,11 @@ from delayq.cli._common import Fail, check_schema, check_sqlite_file, check_url,
 from delayq.cli._root import main
 from delayq.errors import install_hint
 from delayq.handler import Handler
+from delayq.topics import TopicHandler
 from delayq.worker import Worker
+
+if TYPE_CHECKING:
+    from delayq.aio.worker import AsyncWorker
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -63,6 +70,14 @@ def load_handlers(spec: str) -> list[Handler | type[Handler]]:
     type=click.Choice(LOG_LEVELS, case_sensitive=False),
     help="DEBUG also logs each delivery's start; INFO each success; WARNING each failure (with its traceback).",
 )
+@click.option(
+    "--driver",
+    default="threads",
+    show_default=True,
+    type=click.Choice(["threads", "asyncio"]),
+    help="threads: a Worker (def handle, the URL's driver); asyncio: an AsyncWorker on an event loop "
+    "(async def handle; the database's asyncio driver: psycopg, asyncpg, aiosqlite, asyncmy).",
+)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True, help="Address the metrics server listens on.")
 @click.pass_context
@@ -73,15 +88,27 @@ def worker(
     concurrency: int,
     shutdown_timeout: float,
     log_level: str,
+    driver: str,
     metrics_port: int | None,
     metrics_addr: str,
 ) -> None:
-    """Run the handlers HANDLERS (module:attr) until SIGINT or SIGTERM."""
+    """Run the handlers HANDLERS (module:attr) until SIGINT or SIGTERM (a second one exits at once).
+
+    --driver asyncio runs them with an AsyncWorker: queue handlers with an async def handle, topic
+    handlers with either (a plain def one on a thread). The URL may name the sync driver (the
+    database's asyncio one is used) or an asyncio one.
+    """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if "" not in sys.path:
         sys.path.insert(0, "")  # module:attr from the current directory, as python -m would
     loaded = load_handlers(handlers)
-    check_sqlite_file(check_url(ctx.obj["url"]))
+    check_driver(loaded, driver)
+    if driver == "asyncio":
+        check_sqlite_file(check_async_url(ctx.obj["url"]))
+        options = {"concurrency": concurrency, "shutdown_timeout": dt.timedelta(seconds=shutdown_timeout)}
+        asyncio.run(run_async(ctx.obj["url"], ctx.obj["prefix"], loaded, options, metrics_port, metrics_addr))
+        return
+    check_sqlite_file(check_url(ctx.obj["url"], async_hint=" (or run the worker with --driver asyncio)"))
     engine = worker_engine(ctx.obj["url"], concurrency)
     try:
         with engines.read_bound(engine), opened(engine) as conn:
@@ -100,7 +127,62 @@ def worker(
         engine.dispose()
 
 
-def serve_metrics(port: int, addr: str, w: Worker) -> None:
+def check_driver(loaded: list[Handler | type[Handler]], driver: str) -> None:
+    """``Fail`` for a handler the driver cannot run: a coroutine queue handler on threads, a plain one
+    (or a plain transactional topic handler) on asyncio."""
+    for item in loaded:
+        cls = item if isinstance(item, type) else type(item)
+        is_async = inspect.iscoroutinefunction(cls.handle)
+        topic = issubclass(cls, TopicHandler)
+        if driver == "threads" and is_async:
+            raise Fail(f"{cls.__name__}.handle is a coroutine (async def): run it with --driver asyncio")
+        if driver == "asyncio" and not is_async and (not topic or cls.transactional):
+            kind = "a transactional topic handler's" if topic else "a queue handler's"
+            raise Fail(
+                f"{cls.__name__}.handle is a plain def: --driver asyncio needs {kind} handle to be async def "
+                "(or run it with --driver threads)"
+            )
+
+
+def check_async_url(url: str) -> sa.engine.URL | None:
+    """``check_url`` for ``--driver asyncio``, which runs on the database's asyncio driver whichever
+    driver the URL names (``engines.async_url``)."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        return None  # the command reports a bad URL
+    backend = parsed.get_backend_name()
+    return check_url(parsed.set(drivername=backend).render_as_string(hide_password=False))
+
+
+async def run_async(
+    url: str,
+    prefix: str,
+    loaded: list[Handler | type[Handler]],
+    options: dict[str, Any],
+    metrics_port: int | None,
+    metrics_addr: str,
+) -> None:
+    """Run an ``AsyncWorker`` of ``loaded`` on an ``AsyncEngine`` made from ``url`` until a signal stops it."""
+    from delayq.aio.worker import AsyncWorker
+
+    concurrency = options["concurrency"]
+    # As for threads: a connection per handler besides the fetch, heartbeat, ack and listener tasks'.
+    engine = engines.create_async_engine(
+        url, pool_size=concurrency + 4, max_overflow=concurrency, pool_reset_on_return=None
+    )
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(check_schema, prefix)  # fail now, in one line, before any loop starts
+        w = AsyncWorker(engine, loaded, table_prefix=prefix, **options)  # type: ignore[arg-type]
+        if metrics_port is not None:
+            serve_metrics(metrics_port, metrics_addr, w)
+        await w.run()
+    finally:
+        await engine.dispose()
+
+
+def serve_metrics(port: int, addr: str, w: Worker | AsyncWorker) -> None:
     """Serve the worker's metrics on ``addr:port`` (needs the ``metrics`` extra)."""
     try:
         from delayq.metrics import serve
