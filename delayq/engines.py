@@ -62,7 +62,7 @@ def async_url(url: str | sa.URL) -> sa.URL:
     (asyncpg, aiomysql, ...) as it is."""
     parsed = sa.engine.make_url(url)
     driver = parsed.get_driver_name()
-    if driver in _ASYNC_NAMES or driver == "psycopg":  # psycopg 3: one driver, sync and async
+    if driver in _ASYNC_NAMES:
         return parsed
     backend = parsed.get_backend_name()
     if backend not in ASYNC_DRIVERS:

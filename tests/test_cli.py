@@ -474,3 +474,101 @@ def test_urls_of_drivers_delayq_is_not_tested_on_get_the_hint(
     else:
         assert f"uses {module}, which delayq is not tested on: it is on {tested}" in result.stderr, result.output
         assert result.stderr.count("note:") == 1
+
+
+# -- delayq worker --driver asyncio ------------------------------------------------------------------------
+def test_worker_driver_and_handler_mismatches_fail_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mixed_app.py").write_text(
+        "from delayq import Handler\nfrom delayq.aio import AsyncHandler\n"
+        "class Plain(Handler):\n    queue = 'p'\n    def handle(self, d, conn=None): pass\n"
+        "class Coro(AsyncHandler):\n    queue = 'c'\n    async def handle(self, d, conn=None): pass\n"
+        "plain = [Plain]\ncoro = [Coro]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    cases = {
+        ("mixed_app:plain", "asyncio"): "Plain.handle is a plain def: --driver asyncio needs",
+        ("mixed_app:coro", "threads"): "Coro.handle is a coroutine (async def): run it with --driver asyncio",
+        ("mixed_app:plain", "fibers"): "'fibers' is not one of 'threads', 'asyncio'",
+    }
+    for (spec, driver), says in cases.items():
+        result = CliRunner().invoke(main, ["--url", url, "worker", spec, "--driver", driver])
+        assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+    asyncpg = CliRunner().invoke(main, ["--url", "postgresql+asyncpg://u@127.0.0.1/x", "worker", "mixed_app:plain"])
+    assert asyncpg.exit_code == 2 and "or run the worker with --driver asyncio" in asyncpg.output, asyncpg.output
+
+
+def test_the_asyncio_driver_uses_the_databases_asyncio_driver() -> None:
+    from delayq.engines import async_url
+
+    cases = {
+        "sqlite:///x.db": "sqlite+aiosqlite:///x.db",
+        "postgresql://u@h/d": "postgresql+psycopg://u@h/d",
+        "postgresql+psycopg://u@h/d": "postgresql+psycopg://u@h/d",
+        "postgresql+asyncpg://u@h/d": "postgresql+asyncpg://u@h/d",
+        "mysql+mysqldb://r@h/d": "mysql+asyncmy://r@h/d",
+        "mariadb://r@h/d": "mariadb+asyncmy://r@h/d",
+        "mysql+aiomysql://r@h/d": "mysql+aiomysql://r@h/d",
+    }
+    assert {u: async_url(u).render_as_string() for u in cases} == cases
+
+
+def test_an_asyncio_worker_without_the_tables_exits_with_the_migrate_hint(backend: Backend) -> None:
+    result = CliRunner().invoke(
+        main, ["--url", backend.url, "--prefix", "nosuch_", "worker", "test_cli:coro_handlers", "--driver", "asyncio"]
+    )
+    assert result.exit_code == 2 and "delayq migrate" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("asyncpg", [False, True], ids=["url-driver", "asyncpg-url"])
+def test_an_asyncio_worker_process_handles_and_stops_on_sigterm(
+    backend: Backend, queue_name: str, tmp_path: Path, asyncpg: bool
+) -> None:
+    import signal
+
+    import sqlalchemy as sa
+    from test_worker import wait_until
+
+    url = backend.url
+    if asyncpg:
+        if backend.name != "postgresql":
+            pytest.skip("asyncpg is a PostgreSQL driver")
+        url = sa.make_url(url).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("job", 1)
+    env = {
+        **os.environ,
+        "DELAYQ_URL": url,
+        "DELAYQ_TEST_QUEUE": queue_name,
+        "DELAYQ_TEST_MARKERS": str(tmp_path),
+        "DELAYQ_TEST_DRIVER": "asyncio",
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
+    root = Path(__file__).parent.parent
+    command = [sys.executable, "-m", "delayq.cli", "worker", "worker_app:handlers", "--driver", "asyncio"]
+    worker = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: q.get("job") is None or worker.poll() is not None, "the asyncio worker to ack the message")
+        assert worker.poll() is None, worker.communicate()[0].decode()
+        assert [p.name for p in tmp_path.glob("*.done")] == [f"job.{worker.pid}.done"]
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=30)[0].decode()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+    assert worker.returncode == 0, output
+    assert "async worker stopped" in output
+
+
+class _Coro:  # a module-level async handler for the migrate-hint test
+    from delayq.aio import AsyncHandler as _Base
+
+    class Handler(_Base):
+        queue = "never"
+
+        async def handle(self, delivery: Any, conn: object = None) -> None:
+            pass
+
+
+coro_handlers = [_Coro.Handler]
