@@ -24,6 +24,7 @@ from conftest import REPO_ROOT, Backend, count_rows
 from faults import hold_row_lock
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from test_worker import handler_for, wait_until
+from test_worker_contract import Driver, Running
 from test_worker_processes import markers_of, processes, start_worker  # noqa: F401 (a fixture)
 
 from delayq import (
@@ -44,6 +45,16 @@ SERVERS = pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=T
 """For faults SQLite cannot have: a row lock held by another transaction."""
 
 
+@pytest.fixture(params=["threads", "asyncio"])
+def driver(request: pytest.FixtureRequest, backend: Backend) -> Iterator[Driver]:
+    """The worker's driver, as in the contract tests: a fault that hits a worker hits both."""
+    d = Driver(request.param, backend)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
 @contextlib.contextmanager
 def row_locked(backend: Backend, queue: DelayedQueue, key: str) -> Iterator[None]:
     """Hold a row lock on a message from another connection (``SELECT … FOR UPDATE``), as an operator might."""
@@ -56,12 +67,12 @@ def row_locked(backend: Backend, queue: DelayedQueue, key: str) -> Iterator[None
 
 
 @contextlib.contextmanager
-def running(worker: Worker) -> Iterator[Worker]:
+def running(worker: Running | Worker) -> Iterator[Running | Worker]:
     worker.start()
     try:
         yield worker
     finally:
-        assert worker.stop(30)
+        assert worker.stop()
 
 
 class Gate:
@@ -97,17 +108,16 @@ def expiry(q: DelayedQueue, key: str) -> dt.datetime | None:
 # -- 1. the heartbeat -----------------------------------------------------------------------------------
 @SERVERS
 def test_a_row_lock_on_one_message_does_not_stop_the_heartbeat_of_the_others(
-    backend: Backend, queue_name: str, clock: ManualClock
+    driver: Driver, queue_name: str, clock: ManualClock
 ) -> None:
-    vt, gate = 10 * SECOND, Gate()
-    worker = Worker(
-        backend.engine,
-        [handler_for(queue_name, gate, visibility_timeout=vt)],
+    backend, vt, gate = driver.backend, 10 * SECOND, Gate()
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, gate, visibility_timeout=vt)],
         clock=clock,
         concurrency=2,
         poll_interval=FAST,
     )
-    q = worker.queues[0]
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock, visibility_timeout=vt)  # the test's own
     other = DelayedQueue(backend.engine, queue_name, clock=clock, visibility_timeout=vt)
     q.offer_many([("a", 1, None), ("b", 2, None)])
     try:
@@ -128,16 +138,18 @@ def test_a_row_lock_on_one_message_does_not_stop_the_heartbeat_of_the_others(
 
 
 def test_a_lost_lock_is_logged_once(
-    engine: sa.Engine, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+    driver: Driver, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    vt, gate = 10 * SECOND, Gate()
+    engine, vt, gate = driver.backend.engine, 10 * SECOND, Gate()
 
     def body(d: Delivery, conn: object) -> None:
         gate(d, conn)
         raise ValueError("fails after its lock was lost")  # the retry finds the lock gone: said once
 
-    worker = Worker(engine, [handler_for(queue_name, body, visibility_timeout=vt)], clock=clock, poll_interval=FAST)
-    q = worker.queues[0]
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, body, visibility_timeout=vt)], clock=clock, poll_interval=FAST
+    )
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock, visibility_timeout=vt)  # the test's own
     m = q.tables.messages
     q.offer("a", 1)
     caplog.set_level(logging.WARNING, "delayq.worker")
@@ -321,18 +333,17 @@ def test_delayq_worker_sizes_its_pool_for_its_concurrency(backend: Backend) -> N
 
 # -- 6. graceful shutdown ---------------------------------------------------------------------------------
 def test_messages_handled_during_the_shutdown_wait_are_acked_then(
-    engine: sa.Engine, queue_name: str, clock: ManualClock
+    driver: Driver, queue_name: str, clock: ManualClock
 ) -> None:
-    vt, gate = 10 * SECOND, Gate()
-    worker = Worker(
-        engine,
-        [handler_for(queue_name, gate, visibility_timeout=vt)],
+    engine, vt, gate = driver.backend.engine, 10 * SECOND, Gate()
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, gate, visibility_timeout=vt)],
         clock=clock,
         concurrency=2,
         poll_interval=FAST,
         shutdown_timeout=dt.timedelta(seconds=30),
     )
-    q = worker.queues[0]
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock, visibility_timeout=vt)  # the test's own
     other = DelayedQueue(engine, queue_name, clock=clock, visibility_timeout=vt)
     q.offer_many([("fast", 1, None), ("slow", 2, None)])
     worker.start()
@@ -340,7 +351,7 @@ def test_messages_handled_during_the_shutdown_wait_are_acked_then(
     try:
         wait_until(lambda: gate.started == {"fast", "slow"}, "both handlers to start")
         stopper.start()
-        assert worker._stopping.wait(5)
+        assert worker.worker._stopping.wait(5)
         gate.release("fast")
         wait_until(lambda: q.get("fast") is None, "the ack of the handler that finished", limit=5)
         clock.advance(vt * 1.5)  # the running one keeps its lock meanwhile
@@ -351,23 +362,23 @@ def test_messages_handled_during_the_shutdown_wait_are_acked_then(
         assert not stopper.is_alive()
     finally:
         gate.release_all(["fast", "slow"])
-        assert worker.stop(30)
+        assert worker.stop()
     assert gate.calls == {"fast": 1, "slow": 1}
     assert count_rows(engine, queue_name) == 0
 
 
-@pytest.mark.parametrize("driver", ["threads", "asyncio"])
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
 def test_sigterm_past_the_shutdown_timeout_exits_without_releasing_the_running_handlers_message(
     backend: Backend,
     queue_name: str,
     tmp_path: Path,
     processes: list[subprocess.Popen[bytes]],  # noqa: F811
-    driver: str,
+    kind: str,
 ) -> None:
     q = DelayedQueue(backend.engine, queue_name)
     q.offer("job", 1)
     worker = start_worker(
-        backend, queue_name, tmp_path, seconds=60, concurrency=2, visibility=30.0, shutdown_timeout=2.0, driver=driver
+        backend, queue_name, tmp_path, seconds=60, concurrency=2, visibility=30.0, shutdown_timeout=2.0, driver=kind
     )
     processes.append(worker)
     wait_until(lambda: bool(markers_of(tmp_path, "started")), "the handler to start")
@@ -381,7 +392,7 @@ def test_sigterm_past_the_shutdown_timeout_exits_without_releasing_the_running_h
     m = q.tables.messages
     with backend.engine.connect() as conn:
         left = conn.execute(sa.select(m.c.attempts, m.c.lock_token).where(m.c.queue == queue_name)).all()
-    if driver == "threads":
+    if kind == "threads":
         # Not released while the handler ran: still locked (until its visibility timeout), the attempt counted.
         assert [(attempts, token is not None) for attempts, token in left] == [(1, True)], output
         assert q.stats().in_flight == 1
@@ -414,13 +425,13 @@ def test_a_small_queue_is_not_starved_behind_a_big_one(engine: sa.Engine, queue_
 # -- 8. acks, missing tables ------------------------------------------------------------------------------
 @SERVERS
 def test_an_ack_skips_a_row_locked_elsewhere_and_acks_it_later(
-    backend: Backend, queue_name: str, clock: ManualClock
+    driver: Driver, queue_name: str, clock: ManualClock
 ) -> None:
-    vt, gate = 10 * SECOND, Gate()
-    worker = Worker(
-        backend.engine, [handler_for(queue_name, gate, visibility_timeout=vt)], clock=clock, poll_interval=FAST
+    backend, vt, gate = driver.backend, 10 * SECOND, Gate()
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, gate, visibility_timeout=vt)], clock=clock, poll_interval=FAST
     )
-    q = worker.queues[0]
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock, visibility_timeout=vt)  # the test's own
     q.offer("x", 1)
     try:
         with running(worker):
