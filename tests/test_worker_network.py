@@ -14,9 +14,10 @@ import pytest
 from conftest import Backend, _backend, make_engine
 from faults import FaultProxy
 from test_worker import wait_until
+from test_worker_contract import Driver
 from test_worker_processes import start_worker
 
-from delayq import DelayedQueue, Delivery, Handler, Worker
+from delayq import DelayedQueue, Delivery
 from delayq.worker import SIGNAL_GRACE
 
 SERVERS = ["postgresql", "mysql"]
@@ -72,27 +73,27 @@ def test_a_mariadb_worker_gets_past_connections_that_went_silent_for_good(
                 worker.wait()
 
 
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_worker_whose_connections_went_silent_for_good_resumes_on_new_ones(
-    server: str, backend_urls: dict[str, str], queue_name: str
+    server: str, backend_urls: dict[str, str], queue_name: str, kind: str
 ) -> None:
     """In process, so the watchdog's deadline can be short: PostgreSQL by the watchdog dropping the stuck
-    socket, MariaDB by the read timeout (both set here as ``delayq worker`` sets them, only shorter)."""
+    socket, MariaDB by the read timeout (both set here as ``delayq worker`` sets them, only shorter; asyncmy
+    has no read timeout: the watchdog's deadline alone)."""
     b = _backend(server, backend_urls)
     handled: list[str] = []
 
-    class Record(Handler):
-        queue = queue_name
-
-        def handle(self, delivery: Delivery, conn: object = None) -> None:
-            handled.append(delivery.key)
+    def record(d: Delivery, _: object) -> None:
+        handled.append(d.key)
 
     with FaultProxy.for_url(b.url) as proxy:
-        url = proxy.url_for(b.url) + ("?read_timeout=2&write_timeout=2" if server == "mysql" else "")
+        timeouts = "?read_timeout=2&write_timeout=2" if server == "mysql" and kind == "threads" else ""
+        url = proxy.url_for(b.url) + timeouts
         engine = make_engine(url, pool_size=6, max_overflow=2)
-        worker = Worker(
-            engine,
-            [Record],
+        driver = Driver(kind, Backend(server, url, engine))
+        worker = driver.worker(
+            [driver.queue_handler(queue_name, record)],
             listen=False,
             poll_interval=dt.timedelta(seconds=0.2),
             stall_timeout=dt.timedelta(seconds=2),
@@ -106,7 +107,8 @@ def test_a_worker_whose_connections_went_silent_for_good_resumes_on_new_ones(
             queue.offer("after", 2)
             wait_until(lambda: "after" in handled, "the worker resumes on new connections", limit=30)
         finally:
-            worker.stop(10)
+            worker.stop()
+            driver.close()
             engine.dispose()
 
 

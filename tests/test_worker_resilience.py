@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import make_engine
-from test_worker import handler_for, wait_until
+from conftest import Backend, make_async_engine, make_engine
+from test_worker import wait_until
+from test_worker_contract import Driver
 
-from delayq import DelayedQueue, Delivery, OfferOutcome, Worker
+from delayq import DelayedQueue, Delivery, OfferOutcome
 
 
 def victim_engine(name: str, url: str, tag: str) -> tuple[sa.Engine, list[int]]:
@@ -35,6 +36,24 @@ def victim_engine(name: str, url: str, tag: str) -> tuple[sa.Engine, list[int]]:
     return engine, ids
 
 
+def victim_async_engine(name: str, url: str, tag: str, ids: list[int]) -> Any:
+    """``victim_engine``'s ``AsyncEngine``: by application name on PostgreSQL, its ids in ``ids`` on MariaDB."""
+    if name == "postgresql":
+        return make_async_engine(
+            sa.engine.make_url(url).update_query_dict({"application_name": tag}).render_as_string(False)
+        )
+    engine = make_async_engine(url)
+
+    @sa.event.listens_for(engine.sync_engine, "connect")
+    def remember(dbapi_conn: Any, _: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("SELECT CONNECTION_ID()")
+        ids.append(cur.fetchone()[0])
+        cur.close()
+
+    return engine
+
+
 def kill_connections(name: str, admin: sa.Engine, tag: str, ids: list[int]) -> int:
     with admin.connect() as conn:
         if name == "postgresql":
@@ -53,11 +72,16 @@ def kill_connections(name: str, admin: sa.Engine, tag: str, ids: list[int]) -> i
         return killed
 
 
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
 @pytest.mark.parametrize("name", ["postgresql", "mysql"])
-def test_worker_survives_its_connections_being_killed(name: str, backend_urls: dict[str, str]) -> None:
+def test_worker_survives_its_connections_being_killed(name: str, backend_urls: dict[str, str], kind: str) -> None:
     url, tag = backend_urls[name], f"delayq-victim-{uuid.uuid4().hex[:8]}"
     queue_name = f"test-{tag}"
     engine, ids = victim_engine(name, url, tag)
+    driver = Driver(kind, Backend(name, url, engine))
+    if kind == "asyncio":  # the worker's connections are the AsyncEngine's: found and killed the same way
+        driver.call(driver.async_engine.dispose())
+        driver.async_engine = victim_async_engine(name, url, tag, ids)
     admin = make_engine(url)
     handled: Counter[str] = Counter()
     lock = threading.Lock()
@@ -66,9 +90,8 @@ def test_worker_survives_its_connections_being_killed(name: str, backend_urls: d
         with lock:
             handled[d.key] += 1
 
-    worker = Worker(
-        engine,
-        [handler_for(queue_name, body, visibility_timeout=dt.timedelta(seconds=5))],
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, body, visibility_timeout=dt.timedelta(seconds=5))],
         poll_interval=dt.timedelta(milliseconds=100),
     )
     producer = DelayedQueue(admin, queue_name)
@@ -81,9 +104,11 @@ def test_worker_survives_its_connections_being_killed(name: str, backend_urls: d
         kill_connections(name, admin, tag, ids)  # again, whatever has reconnected by now
         producer.offer_many([(f"b{i}", i, None) for i in range(5, 10)])
         wait_until(lambda: len(handled) == 20, "the batch offered after the kill", limit=60)
-        assert worker._thread is not None and worker._thread.is_alive()
+        health = worker.health()
+        assert health.running and all(health.loops.values()), health
     finally:
         assert worker.stop()
+        driver.close()
         engine.dispose()
         admin.dispose()
     assert set(handled) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(10)}
