@@ -1,25 +1,21 @@
-"""AsyncWorker: async handlers under the threaded worker's rules; exactly-once effects, cancellation,
-SIGTERM and a killed database connection."""
+"""AsyncWorker specifics: cancellation, the ack task, async observers, killed and silent connections, async
+handler timeouts, topic handlers as tasks or threads. What both drivers share (the policy, exactly-once
+effects, faults, SIGTERM through ``delayq worker --driver asyncio``) is in test_worker_contract.py and the
+worker fault modules, parametrized over the drivers."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import REPO_ROOT, Backend, count_rows, make_async_engine
+from conftest import Backend, count_rows, make_async_engine
 from faults import FaultProxy
 
 from delayq import (
@@ -56,136 +52,6 @@ def async_handler(queue_name: str, body: Callable[..., Awaitable[None]], **attrs
 
     cls = type("TestAsyncHandler", (AsyncHandler,), {"queue": queue_name, "handle": handle, **attrs})
     return cls()  # type: ignore[no-any-return]
-
-
-def test_async_handlers_follow_the_policy_within_the_concurrency_limit(
-    backend: Backend, queue_name: str, clock: ManualClock
-) -> None:
-    other = queue_name + "-b"
-    seen: Counter[tuple[str, int]] = Counter()
-    running, most = 0, 0
-
-    async def body(d: AsyncDelivery, _: object) -> None:
-        nonlocal running, most
-        running += 1
-        most = max(most, running)
-        try:
-            await asyncio.sleep(0)  # let the other handlers of the batch start
-            seen[d.key, d.attempts] += 1
-            if d.key == "a0" and d.attempts == 1:
-                raise ValueError("first attempt fails")
-            if d.key == "a0":
-                assert [h.error_type for h in await d.attempt_history()] == ["ValueError"]
-            if d.key == "b0":
-                raise DeadLetter("no such customer")
-        finally:
-            running -= 1
-
-    async def main() -> None:
-        engine = make_async_engine(backend.url)
-        policy = RetryPolicy.fixed(dt.timedelta(0))
-        worker = AsyncWorker(
-            engine,
-            [async_handler(queue_name, body, retry=policy), async_handler(other, body, retry=policy)],
-            clock=clock,
-            concurrency=3,
-        )
-        qa, qb = worker.async_queues[queue_name], worker.async_queues[other]
-        await qa.offer_many([(f"a{i}", i, None) for i in range(7)])
-        await qb.offer_many([(f"b{i}", i, None) for i in range(7)])
-        assert await worker.run_once() == 15  # 14 and a second attempt of a0
-        assert (await qa.stats()).ready + (await qb.stats()).ready == 0
-        [dead] = await qb.dead_letters()
-        assert (dead.key, dead.last_error) == ("b0", "no such customer")
-        await engine.dispose()
-
-    asyncio.run(main())
-    assert most <= 3
-    assert seen == Counter({**{(f"a{i}", 1): 1 for i in range(7)}, ("a0", 2): 1, **{(f"b{i}", 1): 1 for i in range(7)}})
-
-
-@pytest.fixture
-def effects(engine: sa.Engine) -> Iterator[sa.Table]:
-    table = sa.Table(
-        "delayq_test_aio_effects",
-        sa.MetaData(),
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("key", sa.String(50), nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-    )
-    table.create(engine, checkfirst=True)
-    with engine.begin() as conn:
-        conn.execute(table.delete())
-    yield table
-    with engine.begin() as conn:
-        conn.execute(table.delete())
-
-
-def test_transactional_async_handlers_write_exactly_once_when_locks_are_lost(
-    backend: Backend, queue_name: str, clock: ManualClock, effects: sa.Table
-) -> None:
-    m = DelayedQueue(backend.engine, queue_name).tables.messages
-    lost: Counter[str] = Counter()
-
-    async def main() -> None:
-        engine = make_async_engine(backend.url)
-
-        async def current_token(msg_id: int) -> str | None:
-            async with engine.connect() as c:
-                return (await c.execute(sa.select(m.c.lock_token).where(m.c.id == msg_id))).scalar()
-
-        async def body(d: AsyncDelivery, conn: Any) -> None:
-            await conn.execute(effects.insert().values(key=d.key, attempt=d.attempts))
-            if d.attempts == 1 and int(d.key[1:]) % 5 == 0:
-                lost[d.key] += 1
-                if backend.name == "sqlite":  # one writer at a time: play the other consumer here
-                    await conn.execute(m.update().where(m.c.id == d.id).values(lock_token="another-consumer"))
-                else:  # expire the lock; wait until another worker has claimed the message
-                    async with engine.begin() as c:
-                        await c.execute(m.update().where(m.c.id == d.id).values(scheduled_at=0))
-
-                    async def taken() -> bool:
-                        return await current_token(d.id) != d.lock_token
-
-                    await wait_for(taken, "another worker to take the message")
-
-        handler = async_handler(
-            queue_name,
-            body,
-            transactional=True,
-            visibility_timeout=30 * SECOND,
-            retry=RetryPolicy.fixed(dt.timedelta(0)),
-        )
-        workers = [AsyncWorker(engine, [handler], clock=clock, concurrency=2, poll_interval=FAST) for _ in range(4)]
-        q = workers[0].async_queues[queue_name]
-        keys = [f"m{i}" for i in range(100)]
-        await q.offer_many([(k, 1, None) for k in keys])
-        for w in workers:
-            w.start()
-        try:
-            if backend.name == "sqlite":  # the stolen locks expire with time
-
-                async def first_pass() -> bool:
-                    s = await q.stats()
-                    return s.in_flight + s.ready == len(lost)
-
-                await wait_for(first_pass, "the first pass")
-                clock.advance(31 * SECOND)
-
-            async def drained() -> bool:
-                return count_rows(backend.engine, queue_name) == 0
-
-            await wait_for(drained, "every message to be handled")
-        finally:
-            for w in workers:
-                assert await w.stop()
-        await engine.dispose()
-
-    asyncio.run(main())
-    with backend.engine.connect() as conn:
-        rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
-    assert dict(rows) == dict.fromkeys([f"m{i}" for i in range(100)], 1)
-    assert len(lost) == 20
 
 
 def test_a_cancelled_handler_or_worker_gives_its_message_back(backend: Backend, queue_name: str) -> None:
@@ -280,36 +146,6 @@ def test_the_ack_task_acks_while_the_worker_runs_and_hands_over_at_stop(backend:
     assert handled == Counter({f"k{i}": 1 for i in range(n)} | {"last": 1})
 
 
-CHILD = textwrap.dedent(
-    """
-    import asyncio, datetime as dt, sys
-    from pathlib import Path
-    sys.path.insert(0, {tests!r})
-    from conftest import make_async_engine
-    from delayq.aio import AsyncHandler, AsyncWorker
-
-    marks = Path({marks!r})
-
-    class Slow(AsyncHandler):
-        queue = {queue!r}
-
-        async def handle(self, delivery, conn=None):
-            (marks / ("started-" + delivery.key)).touch()
-            await asyncio.sleep(0.5)  # in flight when SIGTERM arrives
-            (marks / ("finished-" + delivery.key)).touch()
-
-    async def main():
-        engine = make_async_engine({url!r})
-        worker = AsyncWorker(engine, [Slow], concurrency=1, shutdown_timeout=dt.timedelta(seconds=20))
-        (marks / "ready").touch()
-        await worker.run()
-        await engine.dispose()
-
-    asyncio.run(main())
-    """
-)
-
-
 def test_an_observer_that_reads_the_database_works_under_the_async_worker(backend: Backend, queue_name: str) -> None:
     """An application's own observer may read what is stored with the delivery (its headers, its attempt
     history) through the sync core, when a handler starts and when it ends: the async worker calls observers
@@ -353,32 +189,6 @@ def test_an_observer_that_reads_the_database_works_under_the_async_worker(backen
     finally:
         metrics.unregister(installed, registry)
     assert seen == [{}, ()]
-
-
-def test_sigterm_lets_the_running_async_handler_finish_and_exits(
-    backend: Backend, queue_name: str, tmp_path: Path
-) -> None:
-    q = DelayedQueue(backend.engine, queue_name)
-    q.offer_many([("one", 1, None), ("two", 2, dt.timedelta(hours=1))])
-    code = CHILD.format(tests=str(REPO_ROOT / "tests"), marks=str(tmp_path), queue=queue_name, url=backend.url)
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = 30.0
-        while not (tmp_path / "started-one").exists():
-            assert child.poll() is None, child.stderr.read() if child.stderr else ""
-            deadline -= 0.01
-            assert deadline > 0, "the handler never started"
-            asyncio.run(asyncio.sleep(0.01))
-        os.kill(child.pid, signal.SIGTERM)
-        _, err = child.communicate(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == 0, err
-    assert (tmp_path / "finished-one").exists()  # graceful: the handler ran to its end
-    assert q.get("one") is None  # and its message was acked
-    message = q.get("two")
-    assert message is not None and not message.locked
 
 
 def test_the_async_worker_survives_its_database_connections_being_killed(backend: Backend, queue_name: str) -> None:

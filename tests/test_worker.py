@@ -1,4 +1,5 @@
-"""The Worker in-process, driven by the manual clock: retries, dead letters, heartbeats, exactly-once effects."""
+"""The Worker in-process, driven by the manual clock: retries, dead letters, heartbeats (exactly-once effects:
+test_worker_contract.py, on both drivers)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import datetime as dt
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, count_rows
+from conftest import count_rows
 
 from delayq import (
     DeadLetter,
@@ -200,67 +201,3 @@ def test_stop_ends_the_ack_loop_even_while_it_sleeps_for_a_long_poll_interval(
         assert worker.stop()
     assert [t.name for t in set(threading.enumerate()) - before if t.name == "delayq-ack" and t.is_alive()] == []
     assert count_rows(engine, queue_name) == 0
-
-
-@pytest.fixture
-def effects(engine: sa.Engine) -> Iterator[sa.Table]:
-    table = sa.Table(
-        "delayq_test_effects",
-        sa.MetaData(),
-        sa.Column("id", sa.Integer, primary_key=True),
-        sa.Column("key", sa.String(50), nullable=False),
-        sa.Column("attempt", sa.Integer),
-    )
-    table.create(engine, checkfirst=True)
-    yield table
-    with engine.begin() as conn:
-        conn.execute(table.delete())
-
-
-def test_transactional_handlers_write_exactly_once_when_locks_are_lost(
-    backend: Backend, queue_name: str, clock: ManualClock, effects: sa.Table
-) -> None:
-    engine = backend.engine
-    m = DelayedQueue(engine, queue_name).tables.messages
-    lost: Counter[str] = Counter()
-
-    def current_token(msg_id: int) -> str | None:
-        with engine.connect() as c:
-            return c.execute(sa.select(m.c.lock_token).where(m.c.id == msg_id)).scalar()
-
-    def body(d: Delivery, conn: sa.Connection) -> None:
-        conn.execute(effects.insert().values(key=d.key, attempt=d.attempts))
-        if d.attempts == 1 and int(d.key[1:]) % 5 == 0:
-            lost[d.key] += 1
-            if backend.name == "sqlite":
-                # One writer at a time: nobody else can take it now. Play the other consumer here.
-                conn.execute(m.update().where(m.c.id == d.id).values(lock_token="another-consumer"))
-            else:  # expire the lock; wait until another worker has claimed the message
-                with engine.begin() as c:
-                    c.execute(m.update().where(m.c.id == d.id).values(scheduled_at=0))
-                wait_until(lambda: current_token(d.id) != d.lock_token, "another worker to take the message")
-
-    handler = handler_for(
-        queue_name, body, transactional=True, visibility_timeout=30 * SECOND, retry=RetryPolicy.fixed(dt.timedelta(0))
-    )
-    workers = [
-        Worker(engine, [handler], clock=clock, concurrency=2, poll_interval=dt.timedelta(milliseconds=20))
-        for _ in range(4)
-    ]
-    q = workers[0].queues[0]
-    keys = [f"m{i}" for i in range(100)]
-    q.offer_many([(k, 1, None) for k in keys])
-    for w in workers:
-        w.start()
-    try:
-        if backend.name == "sqlite":  # the stolen locks expire with time
-            wait_until(lambda: q.stats().in_flight + q.stats().ready == len(lost), "the first pass")
-            clock.advance(31 * SECOND)
-        wait_until(lambda: count_rows(engine, queue_name) == 0, "every message to be handled")
-    finally:
-        for w in workers:
-            assert w.stop()
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
-    assert dict(rows) == dict.fromkeys(keys, 1)
-    assert len(lost) == 20

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, make_async_engine
+from conftest import Backend, count_rows, make_async_engine
 from test_topics_worker import holders, keys_for
 from test_worker import wait_until
 from test_worker_shutdown import Runs, locked_beyond
@@ -482,3 +482,129 @@ def test_a_handler_past_its_timeout_is_never_run_twice_at_once(
     runs.check_no_overlap()
     assert overdue.seen[queue_name] == 1  # found once
     assert q.dead_letters() == []
+
+
+# -- queue handlers: the policy within the concurrency limit; exactly-once effects when locks are lost -----
+def test_queue_handlers_follow_the_policy_within_the_concurrency_limit(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    other = queue_name + "-b"
+    seen: Counter[tuple[str, int]] = Counter()
+    running, most = 0, 0
+    lock = threading.Lock()
+    history = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+
+    def body(d: Delivery, _: object) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+            seen[d.key, d.attempts] += 1
+        try:
+            if d.key == "a0" and d.attempts == 1:
+                raise ValueError("first attempt fails")
+            if d.key == "a0":
+                assert [h.error_type for h in history.attempt_history("a0")] == ["ValueError"]
+            if d.key == "b0":
+                raise DeadLetter("no such customer")
+        finally:
+            with lock:
+                running -= 1
+
+    policy = RetryPolicy.fixed(dt.timedelta(0))
+    handlers = [driver.queue_handler(queue_name, body, retry=policy), driver.queue_handler(other, body, retry=policy)]
+    worker = driver.worker(handlers, clock=clock, concurrency=3)
+    qa, qb = history, DelayedQueue(driver.backend.engine, other, clock=clock)
+    qa.offer_many([(f"a{i}", i, None) for i in range(7)])
+    qb.offer_many([(f"b{i}", i, None) for i in range(7)])
+    assert worker.run_once() == 15  # 14 and a second attempt of a0
+    assert qa.stats().ready + qb.stats().ready == 0
+    [dead] = qb.dead_letters()
+    assert (dead.key, dead.last_error) == ("b0", "no such customer")
+    assert most <= 3
+    assert seen == Counter({**{(f"a{i}", 1): 1 for i in range(7)}, ("a0", 2): 1, **{(f"b{i}", 1): 1 for i in range(7)}})
+
+
+@pytest.fixture
+def keyed_effects(backend: Backend) -> Iterator[sa.Table]:
+    metadata = sa.MetaData()
+    table = sa.Table(
+        f"contract_keyed_{uuid.uuid4().hex[:8]}",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("key", sa.String(50), nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+    )
+    metadata.create_all(backend.engine)
+    yield table
+    metadata.drop_all(backend.engine)
+
+
+def test_transactional_queue_handlers_write_exactly_once_when_locks_are_lost(
+    driver: Driver, queue_name: str, clock: ManualClock, keyed_effects: sa.Table
+) -> None:
+    """Four workers; one message in five loses its lock mid-handler (another worker takes it): the
+    handler's writes commit with its ack, so each key's effect is written once."""
+    backend, effects = driver.backend, keyed_effects
+    engine = backend.engine
+    m = DelayedQueue(engine, queue_name).tables.messages
+    lost: Counter[str] = Counter()
+
+    def loses_its_lock(d: Delivery) -> bool:
+        return d.attempts == 1 and int(d.key[1:]) % 5 == 0
+
+    def current_token(msg_id: int) -> str | None:
+        with engine.connect() as c:
+            return c.execute(sa.select(m.c.lock_token).where(m.c.id == msg_id)).scalar()
+
+    def expire_and_wait(d: Delivery) -> None:  # expire the lock; wait until another worker has claimed it
+        with engine.begin() as c:
+            c.execute(m.update().where(m.c.id == d.id).values(scheduled_at=0))
+        wait_until(lambda: current_token(d.id) != d.lock_token, "another worker to take the message")
+
+    handler: Handler
+    attrs = {"transactional": True, "visibility_timeout": 30 * SECOND, "retry": RetryPolicy.fixed(dt.timedelta(0))}
+    steal = m.update().values(lock_token="another-consumer")  # SQLite, one writer at a time: play the other consumer
+    if driver.kind == "asyncio":
+
+        async def handle(self: Any, ad: Any, conn: Any = None) -> None:
+            d = ad.delivery
+            await conn.execute(effects.insert().values(key=d.key, attempt=d.attempts))
+            if loses_its_lock(d):
+                lost[d.key] += 1
+                if backend.name == "sqlite":
+                    await conn.execute(steal.where(m.c.id == d.id))
+                else:
+                    await asyncio.to_thread(expire_and_wait, d)  # the loop goes on: the other workers claim
+
+        handler = type("Writes", (AsyncHandler,), {"queue": queue_name, "handle": handle, **attrs})()
+    else:
+
+        def body(d: Delivery, conn: sa.Connection) -> None:
+            conn.execute(effects.insert().values(key=d.key, attempt=d.attempts))
+            if loses_its_lock(d):
+                lost[d.key] += 1
+                if backend.name == "sqlite":
+                    conn.execute(steal.where(m.c.id == d.id))
+                else:
+                    expire_and_wait(d)
+
+        handler = driver.queue_handler(queue_name, body, **attrs)
+    workers = [driver.worker([handler], clock=clock, concurrency=2, **FAST) for _ in range(4)]
+    q = DelayedQueue(engine, queue_name, clock=clock)
+    keys = [f"m{i}" for i in range(100)]
+    q.offer_many([(k, 1, None) for k in keys])
+    for w in workers:
+        w.start()
+    try:
+        if backend.name == "sqlite":  # the stolen locks expire with time
+            wait_until(lambda: q.stats().in_flight + q.stats().ready == len(lost), "the first pass")
+            clock.advance(31 * SECOND)
+        wait_until(lambda: count_rows(engine, queue_name) == 0, "every message to be handled")
+    finally:
+        for w in workers:
+            assert w.stop()
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
+    assert dict(rows) == dict.fromkeys(keys, 1)
+    assert len(lost) == 20
