@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, count_rows, make_async_engine
+from conftest import Backend, make_async_engine
 from faults import FaultProxy
 
 from delayq import (
@@ -189,56 +189,6 @@ def test_an_observer_that_reads_the_database_works_under_the_async_worker(backen
     finally:
         metrics.unregister(installed, registry)
     assert seen == [{}, ()]
-
-
-def test_the_async_worker_survives_its_database_connections_being_killed(backend: Backend, queue_name: str) -> None:
-    if backend.name == "sqlite":
-        pytest.skip("no network connection to kill")
-    handled: Counter[str] = Counter()
-    gate = asyncio.Event
-
-    async def main() -> None:
-        hold = gate()
-
-        async def body(d: AsyncDelivery, _: object) -> None:
-            if d.key == "held":
-                await hold.wait()
-            handled[d.key] += 1
-
-        with FaultProxy.for_url(backend.url) as proxy:
-            engine = make_async_engine(proxy.url_for(backend.url), pool_size=4, max_overflow=0)
-            worker = AsyncWorker(
-                engine, [async_handler(queue_name, body)], poll_interval=FAST, stall_timeout=2 * SECOND
-            )
-            direct = DelayedQueue(backend.engine, queue_name)
-            direct.offer("held", 0)
-            worker.start()
-            try:
-
-                async def holding() -> bool:
-                    return direct.stats().in_flight == 1
-
-                await wait_for(holding, "the held message to be claimed")
-                for round_ in range(3):
-                    proxy.cut_all()  # every connection: pooled, LISTEN, the one mid-claim
-                    direct.offer_many([(f"r{round_}-{i}", i, None) for i in range(5)])
-
-                    async def round_done(r: int = round_) -> bool:
-                        return all(handled[f"r{r}-{i}"] for i in range(5))
-
-                    await wait_for(round_done, f"round {round_} after the cut", limit=90)
-                hold.set()
-
-                async def drained() -> bool:
-                    return count_rows(backend.engine, queue_name) == 0
-
-                await wait_for(drained, "every message to be acked", limit=90)
-            finally:
-                assert await worker.stop()
-                await engine.dispose()
-
-    asyncio.run(main())
-    assert set(handled) == {"held"} | {f"r{r}-{i}" for r in range(3) for i in range(5)}
 
 
 def test_an_offer_commit_wakes_the_async_listener(postgres: Backend, queue_name: str) -> None:

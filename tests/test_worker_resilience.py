@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Backend, make_async_engine, make_engine
+from conftest import Backend, count_rows, make_async_engine, make_engine
+from faults import FaultProxy
 from test_worker import wait_until
 from test_worker_contract import Driver
 
@@ -138,3 +139,53 @@ def test_queue_operations_go_on_after_their_pooled_connections_are_killed(
     finally:
         engine.dispose()
         admin.dispose()
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
+def test_a_worker_whose_connections_are_cut_again_and_again_loses_nothing(
+    name: str, backend_urls: dict[str, str], kind: str
+) -> None:
+    """Every connection (pooled, LISTEN, the one mid-claim) cut three times while a handler holds a message:
+    each round's messages are handled, and the held one is acked once its handler returns."""
+    url, queue_name = backend_urls[name], f"test-cut-{uuid.uuid4().hex[:8]}"
+    handled: Counter[str] = Counter()
+    lock, hold = threading.Lock(), threading.Event()
+
+    def body(d: Delivery, _: object) -> None:
+        if d.key == "held":
+            hold.wait(60)
+        with lock:
+            handled[d.key] += 1
+
+    admin = make_engine(url)
+    direct = DelayedQueue(admin, queue_name)
+    with FaultProxy.for_url(url) as proxy:
+        through = proxy.url_for(url)
+        engine = make_engine(through, pool_size=4, max_overflow=0)
+        driver = Driver(kind, Backend(name, through, engine))
+        if kind == "asyncio":
+            driver.call(driver.async_engine.dispose())
+            driver.async_engine = make_async_engine(through, pool_size=4, max_overflow=0)
+        worker = driver.worker(
+            [driver.queue_handler(queue_name, body)],
+            poll_interval=dt.timedelta(milliseconds=20),
+            stall_timeout=dt.timedelta(seconds=2),
+        )
+        direct.offer("held", 0)
+        worker.start()
+        try:
+            wait_until(lambda: direct.stats().in_flight == 1, "the held message to be claimed")
+            for round_ in range(3):
+                proxy.cut_all()
+                direct.offer_many([(f"r{round_}-{i}", i, None) for i in range(5)])
+                wait_until(lambda r=round_: all(handled[f"r{r}-{i}"] for i in range(5)), f"round {round_}", limit=90)
+            hold.set()
+            wait_until(lambda: count_rows(admin, queue_name) == 0, "every message to be acked", limit=90)
+        finally:
+            hold.set()
+            assert worker.stop()
+            driver.close()
+            engine.dispose()
+            admin.dispose()
+    assert set(handled) == {"held"} | {f"r{r}-{i}" for r in range(3) for i in range(5)}
