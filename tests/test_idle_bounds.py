@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import START, Backend, _backend, make_engine
+from conftest import START, Backend, _backend, make_async_engine, make_engine
 from faults import FaultProxy
 from test_worker import wait_until
+from test_worker_contract import Driver
 
 from delayq import DelayedQueue, Delivery, Handler, ManualClock, RetryPolicy, Worker
 from delayq.dialects import bounds, dialect_for
@@ -203,8 +204,9 @@ def test_requeue_and_purge_of_dead_letters_wait_for_a_frozen_fence_only_for_the_
     assert again == (["m~requeue-1"] if operation == "requeue_dead" else []), again
 
 
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
 def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
-    server: tuple[Backend, FaultProxy], queue_name: str, monkeypatch: pytest.MonkeyPatch
+    server: tuple[Backend, FaultProxy], queue_name: str, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """Row 13: a transactional handler acked (its DELETE holds the message's row lock) and its COMMIT went
     into a silent connection. The server ends the handler's transaction once idle for the visibility
@@ -222,25 +224,40 @@ def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
     effects.create(b.engine)
     handled: list[tuple[str, str]] = []
 
+    attrs: dict[str, Any] = {
+        "transactional": True,
+        "visibility_timeout": dt.timedelta(seconds=2),
+        "retry": RetryPolicy.fixed(dt.timedelta(0)),
+    }
+
+    def write(delivery: Delivery, conn: Any) -> None:
+        handled.append((delivery.key, threading.current_thread().name))
+        conn.execute(sa.insert(effects).values(msg_key=delivery.key))
+
     class Write(Handler):
         queue = queue_name
-        transactional = True
-        visibility_timeout = dt.timedelta(seconds=2)
-        retry = RetryPolicy.fixed(dt.timedelta(0))
+        transactional = attrs["transactional"]
+        visibility_timeout = attrs["visibility_timeout"]
+        retry = attrs["retry"]
 
         def handle(self, delivery: Delivery, conn: Any = None) -> None:
-            handled.append((delivery.key, threading.current_thread().name))
-            conn.execute(sa.insert(effects).values(msg_key=delivery.key))
+            write(delivery, conn)
 
     frozen_engine = through(proxy, b, pool_size=8, max_overflow=2)
-    stalled = stall_after(
-        frozen_engine, proxy, lambda s: s.lstrip().upper().startswith("DELETE") and "lock_token" in s, "delayq-handler"
-    )
     options: dict[str, Any] = {
         "poll_interval": dt.timedelta(seconds=0.2),
         "stall_timeout": dt.timedelta(seconds=CALL_S),
     }
-    frozen = Worker(frozen_engine, [Write], **options)
+    frozen_driver = Driver(kind, Backend(b.name, proxy.url_for(b.url), frozen_engine))
+    is_ack = lambda s: s.lstrip().upper().startswith("DELETE") and "lock_token" in s  # noqa: E731
+    if kind == "asyncio":  # the handler's transaction is the AsyncEngine's, on the loop's thread
+        frozen_driver.call(frozen_driver.async_engine.dispose())
+        frozen_driver.async_engine = make_async_engine(proxy.url_for(b.url), pool_size=8, max_overflow=2)
+        stalled = stall_after(frozen_driver.async_engine.sync_engine, proxy, is_ack)
+        frozen = frozen_driver.worker([frozen_driver.queue_handler(queue_name, write, **attrs)], **options)
+    else:
+        stalled = stall_after(frozen_engine, proxy, is_ack, "delayq-handler")
+        frozen = frozen_driver.worker([Write], **options)
     other = Worker(b.engine, [Write], **options)
     try:
         DelayedQueue(b.engine, queue_name).offer("job", 1)
@@ -261,6 +278,7 @@ def test_a_transactional_handler_whose_commit_goes_silent_is_delivered_again(
         frozen.stop(1)
         other.stop(1)
         proxy.cut_all()  # (whatever still holds a lock on the table lets go)
+        frozen_driver.close()
         frozen_engine.dispose()
         effects.drop(b.engine)
     assert len(handled) >= 2  # the frozen attempt, then the one that committed

@@ -81,10 +81,10 @@ class Running:
         else:
             self.worker.start()
 
-    def stop(self) -> bool:
+    def stop(self, timeout: float | None = None) -> bool:
         if isinstance(self.worker, AsyncWorker):
-            return self.driver.call(self.worker.stop())
-        return self.worker.stop()
+            return self.driver.call(self.worker.stop(timeout))
+        return self.worker.stop(timeout)
 
     def run_once(self) -> int:
         if isinstance(self.worker, AsyncWorker):

@@ -676,7 +676,9 @@ class AsyncWorker:
             self._in_handler.add(id(job))
             try:
                 if handler.transactional:
-                    await self._handle_in_transaction(handler, aq, AsyncDelivery(delivery, aq))
+                    await self._handle_in_transaction(
+                        handler, aq, AsyncDelivery(delivery, aq), self._core.stall_timeout
+                    )
                 else:
                     await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
                     to_ack = True
@@ -706,13 +708,22 @@ class AsyncWorker:
             self._poke()
 
     @staticmethod
-    async def _handle_in_transaction(handler: AsyncHandler, aq: AsyncDelayedQueue, delivery: AsyncDelivery) -> None:
-        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin."""
+    async def _handle_in_transaction(
+        handler: AsyncHandler, aq: AsyncDelayedQueue, delivery: AsyncDelivery, call_bound: float | None
+    ) -> None:
+        """Run the handler and the ack in one transaction; ``_NotBegun`` when it could not begin.
+
+        As on threads, the ack and the COMMIT, delayq's calls, are bounded by ``call_bound`` (the stall
+        timeout): a COMMIT into a connection that went silent is given up (``TimeoutError``, a failed
+        attempt) instead of holding the handler's slot, and the worker's stop, for good."""
         begun = False
+        bound = asyncio.timeout(None)  # armed once the handler has returned
         try:
-            async with aq.transaction() as conn:
+            async with bound, aq.transaction() as conn:
                 begun = True
                 await _observed(delivery.delivery, handler.handle(delivery, conn))
+                if call_bound is not None:
+                    bound.reschedule(asyncio.get_running_loop().time() + call_bound)
                 if not await delivery.ack(using=conn):
                     await conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
