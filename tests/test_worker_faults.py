@@ -209,19 +209,14 @@ def test_an_orm_session_bound_to_the_handlers_connection_commits_with_the_ack(
 
 # -- 3. the delivery cap and Retry ------------------------------------------------------------------------
 def test_a_message_whose_handler_dies_every_time_ends_in_the_dead_letters(
-    engine: sa.Engine, queue_name: str, clock: ManualClock
+    driver: Driver, queue_name: str, clock: ManualClock
 ) -> None:
     vt, calls = 10 * SECOND, Counter[str]()
-    worker = Worker(
-        engine,
-        [
-            handler_for(
-                queue_name, lambda d, _: calls.update([d.key]), retry=RetryPolicy(max_attempts=3), visibility_timeout=vt
-            )
-        ],
-        clock=clock,
+    handler = driver.queue_handler(
+        queue_name, lambda d, _: calls.update([d.key]), retry=RetryPolicy(max_attempts=3), visibility_timeout=vt
     )
-    q = worker.queues[0]
+    worker = driver.worker([handler], clock=clock)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock, visibility_timeout=vt)
     q.offer("job", 1)
     for attempt in range(1, 4):  # three deliveries whose consumer "dies": never acked, the lock runs out
         d = q.try_poll()
@@ -529,8 +524,8 @@ def test_health_reports_running_loops_fetches_and_held_deliveries(
     assert not after.running and not after.healthy and not any(after.loops.values())
 
 
-def test_a_stop_right_after_the_start_stops_the_worker(engine: sa.Engine, queue_name: str, clock: ManualClock) -> None:
-    worker = Worker(engine, [handler_for(queue_name, lambda d, _: None)], clock=clock)
+def test_a_stop_right_after_the_start_stops_the_worker(driver: Driver, queue_name: str, clock: ManualClock) -> None:
+    worker = driver.worker([driver.queue_handler(queue_name, lambda d, _: None)], clock=clock)
     worker.start()
     assert worker.stop(10)
     assert not worker.health().running
