@@ -253,8 +253,9 @@ class BrokenSerializer(JsonSerializer):
 
 
 def test_a_poisoned_or_failing_queue_does_not_stop_the_others(
-    engine: sa.Engine, queue_name: str, clock: ManualClock
+    driver: Driver, queue_name: str, clock: ManualClock
 ) -> None:
+    engine = driver.backend.engine
     names = {x: f"{queue_name}-{x}" for x in "abc"}
     handled: Counter[str] = Counter()
     lock = threading.Lock()
@@ -264,11 +265,11 @@ def test_a_poisoned_or_failing_queue_does_not_stop_the_others(
             handled[f"{d.queue}/{d.key}"] += 1
 
     handlers = [  # the failing queue first: it is asked first
-        handler_for(names["c"], body, serializer=BrokenSerializer()),
-        handler_for(names["a"], body),
-        handler_for(names["b"], body),
+        driver.queue_handler(names["c"], body, serializer=BrokenSerializer()),
+        driver.queue_handler(names["a"], body),
+        driver.queue_handler(names["b"], body),
     ]
-    worker = Worker(engine, handlers, clock=clock, poll_interval=FAST)
+    worker = driver.worker(handlers, clock=clock, poll_interval=FAST)
     DelayedQueue(engine, names["a"], clock=clock, serializer=TextSerializer()).offer("undecodable", "not json")
     for x in "abc":
         DelayedQueue(engine, names[x], clock=clock).offer_many([(f"m{i}", i, None) for i in range(3)])
