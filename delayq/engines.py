@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from delayq.dialects import bounds, dialect_class
 
-__all__ = ["READ_BOUND_SECONDS", "async_url", "create_async_engine", "create_engine", "read_bound"]
+__all__ = ["READ_BOUND_SECONDS", "async_url", "create_async_engine", "create_engine", "read_bound", "sync_url"]
 
 READ_BOUND_SECONDS = 60.0
 """How long a command waits for one database call before it drops the connection and fails."""
@@ -68,6 +68,18 @@ def async_url(url: str | sa.URL) -> sa.URL:
     if backend not in ASYNC_DRIVERS:
         dialect_class(backend)  # UnsupportedDatabaseError, naming the supported ones
     return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
+
+
+_SYNC_DRIVERS = {"psycopg_async": "psycopg", "asyncpg": "psycopg", "aiosqlite": "pysqlite", "asyncmy": "mysqldb"}
+_SYNC_DRIVERS["aiomysql"] = "mysqldb"
+
+
+def sync_url(url: str | sa.URL) -> sa.URL:
+    """``url`` with the synchronous driver delayq runs on for its database (psycopg, sqlite3, mysqlclient) in
+    place of an asyncio one; a sync URL as it is."""
+    parsed = sa.engine.make_url(url)
+    driver = _SYNC_DRIVERS.get(parsed.get_driver_name())
+    return parsed if driver is None else parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
 
 
 def create_async_engine(url: str | sa.URL, *, pool_size: int, max_overflow: int = 10, **kwargs: Any) -> Any:

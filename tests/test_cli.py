@@ -499,7 +499,7 @@ def test_worker_driver_and_handler_mismatches_fail_in_one_line(tmp_path: Path, m
 
 
 def test_the_asyncio_driver_uses_the_databases_asyncio_driver() -> None:
-    from delayq.engines import async_url
+    from delayq.engines import async_url, sync_url
 
     cases = {
         "sqlite:///x.db": "sqlite+aiosqlite:///x.db",
@@ -511,6 +511,13 @@ def test_the_asyncio_driver_uses_the_databases_asyncio_driver() -> None:
         "mysql+aiomysql://r@h/d": "mysql+aiomysql://r@h/d",
     }
     assert {u: async_url(u).render_as_string() for u in cases} == cases
+    back = {  # the sync driver the asyncio worker's metrics read the gauges through
+        "sqlite+aiosqlite:///x.db": "sqlite+pysqlite:///x.db",
+        "postgresql+asyncpg://u@h/d": "postgresql+psycopg://u@h/d",
+        "mysql+asyncmy://r@h/d": "mysql+mysqldb://r@h/d",
+        "postgresql+psycopg://u@h/d": "postgresql+psycopg://u@h/d",
+    }
+    assert {u: sync_url(u).render_as_string() for u in back} == back
 
 
 def test_an_asyncio_worker_without_the_tables_exits_with_the_migrate_hint(backend: Backend) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_worker import wait_until
 
 from delayq import DelayedQueue, Delivery, Handler, ManualClock, RetryPolicy, Worker
+from delayq.aio import AsyncDelivery, AsyncHandler
 from delayq.metrics import register, unregister
 
 
@@ -33,7 +34,19 @@ class Flaky(Handler):
             raise RuntimeError("no luck")
 
 
+class AsyncFlaky(AsyncHandler):
+    """``Flaky`` for ``delayq worker --driver asyncio``."""
+
+    queue = Flaky.queue
+    retry = Flaky.retry
+
+    async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
+        if delivery.key.startswith("fail"):
+            raise RuntimeError("no luck")
+
+
 handlers = [Flaky]
+async_handlers = [AsyncFlaky]
 
 
 def samples(text: str, queue: str) -> dict[str, float]:
@@ -85,8 +98,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def worker_process(backend: Backend, queue_name: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+@pytest.fixture(params=["threads", "asyncio"])
+def worker_process(
+    backend: Backend, queue_name: str, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A ``delayq worker`` process serving metrics, of either driver (the asyncio one reads the gauges
+    through a sync engine of its own)."""
     port = free_port()
     env = {
         **os.environ,
@@ -94,7 +111,8 @@ def worker_process(backend: Backend, queue_name: str) -> Iterator[tuple[subproce
         "DELAYQ_TEST_QUEUE": queue_name,
         "PYTHONPATH": str(REPO_ROOT / "tests"),
     }
-    args = ["worker", "test_metrics:handlers", "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"]
+    spec = "test_metrics:handlers" if request.param == "threads" else "test_metrics:async_handlers"
+    args = ["worker", spec, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--driver", request.param]
     p = subprocess.Popen(
         [sys.executable, "-m", "delayq.cli", *args],
         env=env,

@@ -9,7 +9,8 @@ import inspect
 import logging
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import click
 import sqlalchemy as sa
@@ -19,11 +20,9 @@ from delayq.cli._common import Fail, check_schema, check_sqlite_file, check_url,
 from delayq.cli._root import main
 from delayq.errors import install_hint
 from delayq.handler import Handler
+from delayq.queue import DelayedQueue
 from delayq.topics import TopicHandler
 from delayq.worker import Worker
-
-if TYPE_CHECKING:
-    from delayq.aio.worker import AsyncWorker
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -175,21 +174,35 @@ async def run_async(
         async with engine.connect() as conn:
             await conn.run_sync(check_schema, prefix)  # fail now, in one line, before any loop starts
         w = AsyncWorker(engine, loaded, table_prefix=prefix, **options)  # type: ignore[arg-type]
+        gauges: sa.Engine | None = None
         if metrics_port is not None:
-            serve_metrics(metrics_port, metrics_addr, w)
-        await w.run()
+            # The gauges are read by the metrics server's thread, which may not block the loop's engine:
+            # they read through a sync engine of their own (a connection per scrape).
+            gauges = engines.create_engine(engines.sync_url(url))
+            queues = [DelayedQueue(gauges, name, table_prefix=prefix) for name in w.async_queues]
+            serve_queue_metrics(metrics_port, metrics_addr, queues)
+        try:
+            await w.run()
+        finally:
+            if gauges is not None:
+                gauges.dispose()
     finally:
         await engine.dispose()
 
 
-def serve_metrics(port: int, addr: str, w: Worker | AsyncWorker) -> None:
+def serve_metrics(port: int, addr: str, w: Worker) -> None:
     """Serve the worker's metrics on ``addr:port`` (needs the ``metrics`` extra)."""
+    serve_queue_metrics(port, addr, w.queues)
+
+
+def serve_queue_metrics(port: int, addr: str, queues: Sequence[DelayedQueue]) -> None:
+    """Serve delayq's metrics, with the gauges of ``queues``, on ``addr:port`` (needs the ``metrics`` extra)."""
     try:
         from delayq.metrics import serve
     except ImportError:
         raise Fail(f"--metrics-port needs prometheus-client: {install_hint('metrics')}") from None
     try:
-        serve(port, w.queues, addr=addr)
+        serve(port, queues, addr=addr)
     except OSError as exc:
         raise Fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     logging.getLogger("delayq.metrics").info("metrics on http://%s:%d/metrics", addr, port)
