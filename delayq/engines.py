@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from delayq.dialects import bounds, dialect_class
+
+if TYPE_CHECKING:
+    import sqlalchemy.ext.asyncio
 
 __all__ = ["READ_BOUND_SECONDS", "async_url", "create_async_engine", "create_engine", "read_bound", "sync_url"]
 
@@ -50,14 +53,14 @@ def create_engine(
     return sa.create_engine(parsed, pool_size=pool_size, max_overflow=max_overflow, connect_args=connect_args, **kwargs)
 
 
-ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite", "mysql": "asyncmy", "mariadb": "asyncmy"}
+_ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite", "mysql": "asyncmy", "mariadb": "asyncmy"}
 """The asyncio driver a backend's sync URL gets in ``async_url``."""
 _ASYNC_NAMES = {"psycopg_async", "asyncpg", "aiosqlite", "asyncmy", "aiomysql"}
 _ASYNC_TIMEOUTS = {"asyncmy": ("connect_timeout",), "aiomysql": ("connect_timeout",), "aiosqlite": ()}
 
 
 def async_url(url: str | sa.URL) -> sa.URL:
-    """``url`` with its backend's asyncio driver (``ASYNC_DRIVERS``): ``postgresql+psycopg`` (psycopg's async
+    """``url`` with its backend's asyncio driver: ``postgresql+psycopg`` (psycopg's async
     connection), ``sqlite+aiosqlite``, ``mysql+asyncmy``; a URL that names an asyncio driver already
     (asyncpg, aiomysql, ...) as it is."""
     parsed = sa.engine.make_url(url)
@@ -65,13 +68,18 @@ def async_url(url: str | sa.URL) -> sa.URL:
     if driver in _ASYNC_NAMES:
         return parsed
     backend = parsed.get_backend_name()
-    if backend not in ASYNC_DRIVERS:
+    if backend not in _ASYNC_DRIVERS:
         dialect_class(backend)  # UnsupportedDatabaseError, naming the supported ones
-    return parsed.set(drivername=f"{backend}+{ASYNC_DRIVERS[backend]}")
+    return parsed.set(drivername=f"{backend}+{_ASYNC_DRIVERS[backend]}")
 
 
-_SYNC_DRIVERS = {"psycopg_async": "psycopg", "asyncpg": "psycopg", "aiosqlite": "pysqlite", "asyncmy": "mysqldb"}
-_SYNC_DRIVERS["aiomysql"] = "mysqldb"
+_SYNC_DRIVERS = {
+    "psycopg_async": "psycopg",
+    "asyncpg": "psycopg",
+    "aiosqlite": "pysqlite",
+    "asyncmy": "mysqldb",
+    "aiomysql": "mysqldb",
+}
 
 
 def sync_url(url: str | sa.URL) -> sa.URL:
@@ -82,7 +90,9 @@ def sync_url(url: str | sa.URL) -> sa.URL:
     return parsed if driver is None else parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
 
 
-def create_async_engine(url: str | sa.URL, *, pool_size: int, max_overflow: int = 10, **kwargs: Any) -> Any:
+def create_async_engine(
+    url: str | sa.URL, *, pool_size: int, max_overflow: int = 10, **kwargs: Any
+) -> sa.ext.asyncio.AsyncEngine:
     """An ``AsyncEngine`` on ``async_url(url)`` with the network timeouts its driver has, a pool of
     ``pool_size`` connections (plus ``max_overflow``). ``kwargs`` go to SQLAlchemy."""
     from sqlalchemy.ext.asyncio import create_async_engine as create
