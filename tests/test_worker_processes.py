@@ -114,3 +114,21 @@ def test_sigterm_lets_running_handlers_finish_and_exits_zero(
     with backend.engine.connect() as conn:
         left = conn.execute(sa.select(m.c.attempts, m.c.lock_token).where(m.c.queue == queue_name)).all()
     assert left == [(0, None)] * 5
+
+
+@DRIVERS
+def test_a_second_signal_exits_at_once_keeping_the_running_handlers_message(
+    backend: Backend, queue_name: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]], driver: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("job", 1)
+    worker = start_worker(backend, queue_name, tmp_path, seconds=120, visibility=30.0, driver=driver)
+    processes.append(worker)
+    wait_until(lambda: bool(markers_of(tmp_path, "started")), "the handler to start")
+    worker.send_signal(signal.SIGTERM)  # graceful: the handler may run on for --shutdown-timeout (20 s)
+    worker.send_signal(signal.SIGINT)  # a second signal (taken in order, after the first): no more waiting
+    output = worker.communicate(timeout=15)[0].decode()
+    assert worker.returncode == 128 + signal.SIGINT, output
+    assert markers_of(tmp_path, "done") == {}
+    message = q.get("job")  # not released: it returns after its visibility timeout, the attempt counted
+    assert message is not None and message.locked and message.attempts == 1, output
