@@ -67,7 +67,7 @@ class Ceiling:
         else:
             self.engine = sa.create_engine(url, pool_size=2, isolation_level="READ COMMITTED")
         md = sa.MetaData()
-        self.m = m = sa.Table(f"{prefix}messages", md, autoload_with=self.engine)
+        self.m = sa.Table(f"{prefix}messages", md, autoload_with=self.engine)
         self.flow = sa.Table(f"{prefix}queue_flow", md, autoload_with=self.engine)
         self.now = sa.literal_column(
             {
@@ -77,7 +77,11 @@ class Ceiling:
             }[name],
             sa.BigInteger,
         )
-        self.hint = lambda stmt, index: stmt.with_hint(m, f"FORCE INDEX ({m.name}_{index})", dialect_name="mysql")
+
+    def hint(self, stmt: Any, index: str) -> Any:
+        """``stmt`` with MySQL's ``FORCE INDEX`` of delayq's index ``{table}_{index}`` (other backends: as is)."""
+        m = self.m
+        return stmt.with_hint(m, f"FORCE INDEX ({m.name}_{index})", dialect_name="mysql")
 
     # -- the claim of n due messages (of one level), each backend's own -------------------------------------
     def claim(self, conn: Connection, queue: str, n: int, token: str, *where: Any, index: str = "due_ix") -> list[Any]:
