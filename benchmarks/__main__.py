@@ -38,6 +38,7 @@ import sqlalchemy as sa
 
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
+from benchmarks import flow as flow_bench
 from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
 from benchmarks import topics as topics_bench
@@ -696,7 +697,9 @@ def selected(scenario: str, only: str) -> bool:
     return any(scenario.startswith(t[1:]) if t.startswith("^") else t in scenario for t in only.split("|"))
 
 
-def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "", stack_only: bool = False) -> list[Figure]:
+def bench_backend(
+    backend: str, sizes: Sizes, tmp: Path, only: str = "", stack_only: bool = False, flow_only: bool = False
+) -> list[Figure]:
     engine = make_engine(backend, tmp)
     migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=PREFIX)
     q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
@@ -718,6 +721,9 @@ def bench_backend(backend: str, sizes: Sizes, tmp: Path, only: str = "", stack_o
         figures.append(figure)
         print_row(figure)
 
+    if flow_only:
+        flow_bench.rows(engine, PREFIX, sizes.consume_batch, sizes.single, measure)
+        return figures
     if not stack_only:
         measure("offer (one per call)", lambda: offer_single(engine, q, sizes.single))
     stack = stack_bench.Stack(q)
@@ -852,6 +858,11 @@ def main(argv: list[str] | None = None) -> int:
         "--stack", action="store_true", help="only the stack-ceiling rows: delayq, SQLAlchemy Core, bare driver"
     )
     parser.add_argument(
+        "--flow",
+        action="store_true",
+        help="only the flow-control rows: priorities, limits, groups beside hand-written claims (benchmarks/flow.py)",
+    )
+    parser.add_argument(
         "--peers",
         action="store_true",
         help="delayq beside pgqueuer (asyncpg, psycopg) and procrastinate on PostgreSQL (benchmarks/peers.py)",
@@ -870,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import soak as soak_bench
 
         if args.peers:
-            peers_bench.main(URLS["postgresql"], args.peers_n, sizes.repeat, args.json, sizes.pickup)
+            mysql_url = URLS["mysql"] if "mysql" in args.backends.split(",") and URLS["mysql"] else None
+            peers_bench.main(URLS["postgresql"], args.peers_n, sizes.repeat, args.json, sizes.pickup, mysql_url)
         if args.soak:
             backend = args.backends.split(",")[0] if args.backends != parser.get_default("backends") else "postgresql"
             with tempfile.TemporaryDirectory() as tmp:
@@ -880,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
-            figures += bench_backend(backend.strip(), sizes, Path(tmp), args.only, args.stack)
+            figures += bench_backend(backend.strip(), sizes, Path(tmp), args.only, args.stack, args.flow)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -480,7 +480,14 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 # -- the run --------------------------------------------------------------------------------------
-def main(url: str, n: int, rounds: int, json_path: Path | None = None, pickups: int = 300) -> dict[str, Any]:
+def main(
+    url: str,
+    n: int,
+    rounds: int,
+    json_path: Path | None = None,
+    pickups: int = 300,
+    mysql_url: str | None = None,
+) -> dict[str, Any]:
     logging.basicConfig(level=logging.ERROR)
     url = peers_url(url)
     migrations.upgrade(url, prefix=PREFIX)
@@ -551,7 +558,16 @@ def main(url: str, n: int, rounds: int, json_path: Path | None = None, pickups: 
         p50, p99 = percentiles(lats[name])
         pickup[name] = (p50, p99)
         print(f"  {name:<30} p50 {p50:6.2f} ms  p99 {p99:6.2f} ms", flush=True)
-    result = {"n": n, "rounds": rounds, "rates": medians, "runs": runs, "ratios": ratios, "pickup": pickup}
+    result: dict[str, Any] = {
+        "n": n,
+        "rounds": rounds,
+        "rates": medians,
+        "runs": runs,
+        "ratios": ratios,
+        "pickup": pickup,
+    }
+    if mysql_url is not None:
+        result["mysql AsyncWorker / Worker"] = mysql_workers(mysql_url, n, rounds)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
     return result
@@ -600,10 +616,84 @@ def print_table(
                 ratios.setdefault(c, {})[row] = found
                 parts.append(f"{row}: {found:.2f}")
         print(f"  {c:<20} " + "; ".join(parts))
-    threads, aio = runs.get("delayq threads", {}), runs.get("delayq.aio psycopg", {})
-    for row in ("drain worker, batch 1", "drain worker, batch 100"):
-        if threads.get(row) and len(threads[row]) == len(aio.get(row, [])):
-            found = statistics.median(a / b for a, b in zip(aio[row], threads[row], strict=True))
-            ratios.setdefault("AsyncWorker / Worker", {})[row] = found
-            print(f"  AsyncWorker / Worker (psycopg), {row}: {found:.2f}")
+    threads = runs.get("delayq threads", {})
+    for driver in ("psycopg", "asyncpg"):
+        aio = runs.get(f"delayq.aio {driver}", {})
+        for row in ("drain worker, batch 1", "drain worker, batch 100"):
+            if threads.get(row) and len(threads[row]) == len(aio.get(row, [])):
+                found = statistics.median(a / b for a, b in zip(aio[row], threads[row], strict=True))
+                key = "AsyncWorker / Worker" + ("" if driver == "psycopg" else " (asyncpg)")
+                ratios.setdefault(key, {})[row] = found
+                print(f"  AsyncWorker ({driver}) / Worker (psycopg), {row}: {found:.2f}")
     return ratios
+
+
+# -- MySQL/MariaDB: AsyncWorker (asyncmy) beside Worker (mysqlclient) --------------------------------------
+def mysql_workers(url: str, n: int, rounds: int) -> dict[str, float]:
+    """``Worker`` and ``AsyncWorker`` draining ``n`` no-op messages at batch (concurrency) 1 and 100 on the
+    MySQL/MariaDB database of ``url``, in turns (who goes first alternates by round); prints and returns the
+    median of the rounds' AsyncWorker / Worker ratios per batch."""
+    migrations.upgrade(url, prefix=PREFIX)
+    engine = sa.create_engine(url, pool_size=20)
+    q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
+    aurl = sa.make_url(url).set(drivername="mysql+asyncmy").render_as_string(hide_password=False)
+
+    def threads(batch: int) -> float:
+        _fill(q, n)
+        return _worker_drain(engine, n, batch)
+
+    def aio(batch: int) -> float:
+        _fill(q, n)
+
+        async def body() -> float:
+            aengine = create_async_engine(aurl, pool_size=20)
+            done = 0
+
+            class Noop(AsyncHandler):
+                queue = "bench"
+
+                async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
+                    nonlocal done
+                    done += 1
+
+            try:
+                worker = AsyncWorker(aengine, [Noop], table_prefix=PREFIX, concurrency=batch)
+                start = time.perf_counter()
+                worker.start()
+                while done < n and time.perf_counter() - start < 600:
+                    await asyncio.sleep(0.002)
+                rate = _rate(n, start)
+                await worker.stop()
+            finally:
+                await aengine.dispose()
+            if done != n or _left(engine):
+                raise LostMessages(f"AsyncWorker (asyncmy): {done} of {n}")
+            return rate
+
+        return asyncio.run(body())
+
+    found: dict[str, float] = {}
+    try:
+        _clear(engine)
+        print(f"\nMySQL/MariaDB, no-op drains of {n} messages, {rounds} interleaved round(s), msgs/s:")
+        for batch in (1, 100):
+            pairs: list[tuple[float, float]] = []
+            for r in range(rounds):
+                if r % 2 == 0:
+                    t = threads(batch)
+                    a = aio(batch)
+                else:
+                    a = aio(batch)
+                    t = threads(batch)
+                pairs.append((t, a))
+            ratio = statistics.median(a / t for t, a in pairs)
+            found[f"drain worker, batch {batch}"] = ratio
+            print(
+                f"  batch {batch:<3}  Worker {statistics.median(t for t, _ in pairs):8.0f}"
+                f"  AsyncWorker {statistics.median(a for _, a in pairs):8.0f}"
+                f"  AsyncWorker / Worker {ratio:.2f}  (rounds {', '.join(f'{a / t:.2f}' for t, a in pairs)})",
+                flush=True,
+            )
+    finally:
+        engine.dispose()
+    return found

@@ -62,14 +62,32 @@ def test_peers_run_with_what_is_installed(backend_urls: dict[str, str], tmp_path
     """``--peers`` on tiny counts: delayq's rows always, each peer measured or reported as skipped."""
     backend_urls["postgresql"]  # skips without PostgreSQL
     out = tmp_path / "peers.json"
-    done = _run(["--quick", "--peers", "--peers-n", "40", "--json", str(out)], backend_urls)
+    backends = [b for b in ("postgresql", "mysql") if b in backend_urls]
+    done = _run(
+        ["--quick", "--peers", "--peers-n", "40", "--backends", ",".join(backends), "--json", str(out)], backend_urls
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
+    if "mysql" in backends:  # AsyncWorker beside Worker on MySQL/MariaDB, batch 1 and 100
+        assert set(result["mysql AsyncWorker / Worker"]) == {"drain worker, batch 1", "drain worker, batch 100"}
     assert result["rates"]["delayq threads"]["drain worker, batch 100"] > 0
     assert result["rates"]["delayq.aio psycopg"]["offer, 500 per call"] > 0
     assert isinstance(result["pickup"]["raw LISTEN/NOTIFY (ceiling)"], list)
     for peer in ("pgqueuer asyncpg", "pgqueuer psycopg", "procrastinate"):
         assert result["rates"][peer] or "skipped" in done.stdout or "failed" in done.stdout, peer
+
+
+def test_flow_rows_run_on_every_backend(backend_urls: dict[str, str], tmp_path: Path) -> None:
+    """Issue 34: priorities, limits and groups beside hand-written claims (benchmarks/flow.py), each checked
+    exactly once, and the priority index's cost on offers."""
+    out = tmp_path / "flow.json"
+    backends = [b for b in ("sqlite", "postgresql", "mysql") if b in backend_urls]
+    done = _run(["--quick", "--flow", "--backends", ",".join(backends), "--json", str(out)], backend_urls)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())
+    assert all(f["scenario"].startswith("flow: ") for f in figures), sorted(f["scenario"] for f in figures)
+    assert len(figures) == 6 * len(backends), sorted(f["scenario"] for f in figures)
+    assert all(f["delayq"] > 0 and f["ceiling"] > 0 for f in figures)
 
 
 def test_soak_smoke_reports_a_verdict(backend_urls: dict[str, str]) -> None:
