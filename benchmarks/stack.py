@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection
 from delayq import DelayedQueue
 from delayq.dialects import Statements, dialect_for
 from delayq.dialects.base import OwnedStart, values_insert
-from delayq.history import statements as history_statements
+from delayq.queue._history import statements as history_statements
 
 VISIBILITY_MS = 300_000
 IDLE_S = 30.0
