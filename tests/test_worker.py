@@ -23,6 +23,7 @@ from delayq import (
     RetryPolicy,
     Worker,
 )
+from delayq.dialects import dialect_for
 
 SECOND = dt.timedelta(seconds=1)
 
@@ -264,3 +265,36 @@ def test_transactional_handlers_write_exactly_once_when_locks_are_lost(
         rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
     assert dict(rows) == dict.fromkeys(keys, 1)
     assert len(lost) == 20
+
+
+def test_an_idle_worker_claims_one_first_then_the_rest_in_a_batch(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """Where a claim of one costs one round trip and a batch a transaction's three (PostgreSQL), a worker
+    whose last fetch started nothing claims one message first, its handler starting at once, then the rest
+    of its free slots in a batch; a busy worker claims batches. Elsewhere every claim is a batch."""
+    handled: list[str] = []
+    worker = Worker(engine, [handler_for(queue_name, lambda d, _: handled.append(d.key))], clock=clock, concurrency=8)
+    q = worker.queues[0]
+    limits: list[int] = []
+    claim = q.try_poll_many
+
+    def spy(limit: int, **kwargs: Any) -> list[Delivery]:
+        limits.append(limit)
+        return claim(limit, **kwargs)
+
+    q.try_poll_many = spy  # type: ignore[method-assign]
+    dialect = dialect_for(engine)
+    one_is_cheaper = dialect.claim_mode_for(1) != dialect.claim_mode_for(2)
+    assert one_is_cheaper == (engine.dialect.name == "postgresql")
+
+    assert worker.run_once() == 0  # idle: nothing due
+    q.offer_many([(f"k{i}", i, None) for i in range(5)])
+    assert worker.run_once() == 5  # one, the other four in a batch, then a batch that finds none
+    q.offer("again", 1)
+    assert worker.run_once() == 1  # idle again: one first
+    assert sorted(handled) == sorted(["again", *(f"k{i}" for i in range(5))])
+    if one_is_cheaper:
+        assert limits == [1, 1, 7, 8, 1, 7, 8]
+    else:
+        assert limits == [8, 8, 8, 8, 8]

@@ -167,6 +167,11 @@ class Core:
         self.stopped.set()
         self.last_fetch: float | None = None
         self._turn = 0  # the source that claims first on the next fetch (round robin)
+        dialect = dialect_for(engine)
+        self._probe = dialect.claim_mode_for(1) != dialect.claim_mode_for(2)
+        """Whether a claim of one costs fewer round trips than a batch (PostgreSQL: one autocommitted
+        statement, against BEGIN + SET LOCAL, the claim, COMMIT): then an idle worker claims one first."""
+        self._idle = True  # the last fetch started nothing
 
     @property
     def queues(self) -> Sequence[DelayedQueue]:
@@ -184,6 +189,11 @@ class Core:
         Sources take turns to claim first; each gets an equal share of the free slots, and what one
         leaves (it had fewer due) goes to the others in further passes. A failed claim backs its
         source off (logged); with ``guard=False`` it raises.
+
+        When the last fetch started nothing (the worker was idle) and a claim of one is cheaper than a
+        batch on this database, queue sources claim one each until one is found, its handler started
+        at once; the rest of the free slots are claimed in batches by the passes after it. An idle
+        worker's pickup then waits for one round trip, not a transaction's three.
         """
         sources = self.sources
         turn = self._turn
@@ -194,6 +204,7 @@ class Core:
         candidates = [s for s in sources if s.ready(now)]
         started: list[Job | TopicJob] = []
         stopping = self.stopping
+        probe = self._probe and self._idle  # claim one first (see above) until one is found
         while free > 0 and candidates and not stopping.is_set():
             share, more = max(1, free // len(candidates)), []
             for source in candidates:
@@ -202,17 +213,22 @@ class Core:
                 want = min(share, free)
                 got: Sequence[Job | TopicJob] | None
                 if isinstance(source, QueueSource):
+                    if probe:
+                        want = 1
                     got = source.claim(want, start_queue, guard, first=self.last_fetch is None, backoff=backoff)
                 else:
                     got = source.claim(want, start_topic, guard)
                 if got is None:
                     continue
                 self.last_fetch = time.monotonic()
-                started += got
-                free -= len(got)
+                if got:
+                    probe = False
+                    started += got
+                    free -= len(got)
                 if len(got) == want:
                     more.append(source)
             candidates = more
+        self._idle = not started
         return started
 
     def until_next_due(self) -> float:
