@@ -56,6 +56,7 @@ ACK_GATHER = 0.002  # seconds the ack loop lets a batch of handlers finish befor
 FETCH_GATHER = 0.002  # seconds the fetch loop, after a claim, lets handlers free slots to claim for together
 MAX_ERROR_BACKOFF = 5.0
 HEARTBEAT_TICK = 0.05
+FLOW_REFRESH = dt.timedelta(seconds=1)  # the longest a worker's queue keeps its flow state (pause, limits)
 
 
 def backoff(errors: int) -> float:
@@ -115,6 +116,9 @@ class Core:
             raise InvalidInputError("a Worker needs at least one handler")
         self.concurrency = concurrency
         self.poll_interval = poll_interval.total_seconds()
+        self.flow_refresh = min(FLOW_REFRESH, poll_interval)
+        """How long the worker's queues keep their flow state (pause, limits) before they read it again: at
+        most the poll interval, so a pause counts within one poll interval whatever it is."""
         self.shutdown_timeout = shutdown_timeout.total_seconds()
         self.clock = clock
         self.name = f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -153,6 +157,7 @@ class Core:
                 table_prefix=table_prefix,
                 schema=schema,
                 max_deliveries=h.retry.max_attempts,
+                flow_refresh=self.flow_refresh,
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
@@ -312,12 +317,18 @@ class Core:
             overdue(job.delivery.label, time.monotonic() - job.started_at, timeout)
             observe.count("overdue", job.queue.name)
 
-    def flush_acks(self) -> None:
-        """Ack the handled queue jobs (one statement per queue); a failure is logged, tried again next time."""
+    def flush_acks(self) -> bool:
+        """Ack the handled queue jobs (one statement per queue); a failure is logged, tried again next time.
+
+        True when an ack committed for a queue under a concurrency limit or with groups (as its claims last
+        read them): its claims counted those messages as running until now, so a claim that found nothing
+        since may find work now, and the driver wakes its fetch loop rather than wait out the backoff."""
         try:
-            self.jobs.flush_acks()
+            acked = self.jobs.flush_acks()
         except Exception as exc:
             log.warning("could not ack: %s", describe(exc))
+            return False
+        return any(holds_slots(q) for q in acked)
 
     # -- shutdown -------------------------------------------------------------------------------
     def forget_unacked(self) -> None:
@@ -367,6 +378,13 @@ class Core:
             f"worker {self.name} started: queues {', '.join(self.queue_sources) or 'none'}; "
             f"topics {self.topics or 'none'}; concurrency {self.concurrency}"
         )
+
+
+def holds_slots(queue: DelayedQueue) -> bool:
+    """Whether the queue's claims, as last read (its cached flow state), count held messages against a
+    limit: a concurrency limit, or groups."""
+    state = queue._flow_state
+    return state is not None and (state.concurrency is not None or state.grouped)
 
 
 def exit_now(signum: int, after: float) -> None:

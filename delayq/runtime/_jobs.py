@@ -148,8 +148,9 @@ class Jobs:
             return len(handled)
 
     # -- acks -----------------------------------------------------------------------------------
-    def flush_acks(self) -> None:
-        """Ack the handled deliveries: one statement per queue, never waiting on a row lock.
+    def flush_acks(self) -> list[DelayedQueue]:
+        """Ack the handled deliveries: one statement per queue, never waiting on a row lock; the queues
+        whose ack statement committed.
 
         What an ack could not delete this time (its row locked by another transaction, or the
         statement failed) is tried again at the next flush, while the lock still holds.
@@ -158,9 +159,11 @@ class Jobs:
             pending = [x for x in self._jobs.values() if x.done and not x.acking and not x.lost]
             for x in pending:
                 x.acking = True
+        acked: list[DelayedQueue] = []
         for queue, group in by_queue(pending):
             try:
                 self._ack(queue, group)
+                acked.append(queue)
             except Exception as exc:
                 log.warning(
                     "queue %s: could not ack %d message(s) (%s); trying again at the next flush",
@@ -173,6 +176,7 @@ class Jobs:
                 with self._lock:
                     for x in group:
                         x.acking = False
+        return acked
 
     def _ack(self, queue: DelayedQueue, group: list[Job]) -> None:
         acked = queue.ack_many([x.delivery for x in group], skip_locked=True)
