@@ -298,3 +298,23 @@ def test_an_idle_worker_claims_one_first_then_the_rest_in_a_batch(
         assert limits == [1, 1, 7, 8, 1, 7, 8]
     else:
         assert limits == [8, 8, 8, 8, 8]
+
+
+def test_a_claims_jobs_are_all_held_before_its_first_handler_starts(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """The jobs of one claim are recorded together (one lock, one clock reading), then their handlers start:
+    the first handler to run already finds the whole claim held."""
+    held: list[int] = []
+    lock = threading.Lock()
+
+    def body(d: Delivery, _: object) -> None:
+        with lock:
+            held.append(worker._core.jobs.running())
+
+    worker = Worker(engine, [handler_for(queue_name, body)], clock=clock, concurrency=8)
+    q = worker.queues[0]
+    q.offer_many([(f"k{i}", i, None) for i in range(5)])
+    worker._core._idle = False  # a busy worker's claim: a batch (an idle one on PostgreSQL claims one first)
+    assert worker.run_once() == 5
+    assert held[0] == 5
