@@ -318,3 +318,34 @@ def test_a_claims_jobs_are_all_held_before_its_first_handler_starts(
     worker._core._idle = False  # a busy worker's claim: a batch (an idle one on PostgreSQL claims one first)
     assert worker.run_once() == 5
     assert held[0] == 5
+
+
+def test_the_handler_pool_gives_each_waiting_call_a_thread_of_its_own() -> None:
+    """A batch of calls that all block each start on a thread of their own (a sleeping thread is woken for
+    each, one wake-up leading to the next); quick calls all run; cancelled ones never; shutdown ends the
+    threads. (No database: the pool is the driver's own machinery.)"""
+    from delayq.runtime._threads import DaemonPool
+
+    pool = DaemonPool(8, "test-pool")
+    gate, lock = threading.Event(), threading.Lock()
+    running: set[str] = set()
+
+    def blocking() -> None:
+        with lock:
+            running.add(threading.current_thread().name)
+        gate.wait(60)
+
+    tasks = [pool.submit(blocking) for _ in range(8)]
+    wait_until(lambda: len(running) == 8, "eight blocking calls running at once, each on its own thread")
+    late = pool.submit(lambda: running.add("late"))
+    assert late.cancel()  # no thread free: it had not started
+    gate.set()
+    assert all(t.wait(30) for t in tasks)
+    done: list[int] = []
+    quick = [pool.submit(lambda i=i: done.append(i)) for i in range(100)]
+    assert all(t.wait(30) for t in quick)
+    assert sorted(done) == list(range(100)) and "late" not in running
+    pool.shutdown()
+    for t in pool._threads:
+        t.join(30)
+        assert not t.is_alive()
