@@ -65,7 +65,8 @@ class Worker:
         concurrency: how many handlers run at once; the worker fetches only as many messages as
             it has free slots, shared fairly between queues and topics with due work. Defaults to 4.
         poll_interval: the longest an idle worker sleeps between polls when nothing wakes it
-            (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second.
+            (PostgreSQL wakes it with LISTEN/NOTIFY as soon as an offer commits). 1 second. The worker's
+            queues read their flow state (pause, limits) at least this often (``flow_refresh``, 1 s at most).
         shutdown_timeout: how long in-flight handlers may run on after a stop; then the worker
             returns, but what still runs is never released while its thread lives: its locks (and
             its topic partitions' leases) stay extended until the handler returns and its outcome is
@@ -373,7 +374,8 @@ class Worker:
             if self._ack_due.wait(self.poll_interval):
                 self._acking.wait(ACK_GATHER)  # the rest of a batch's handlers finish meanwhile
             self._ack_due.clear()
-            flush()  # on a quiet tick too: what a row lock held back last time
+            if flush():  # (on a quiet tick too: what a row lock held back last time)
+                self._wake.set()  # a limited queue's claims no longer count these: the fetch may find work now
 
     def _stop_acking(self) -> None:
         """End the ack loop (the shutdown acks from here on); a call stuck in it is left to the watchdog."""

@@ -37,6 +37,7 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_leases_now",  # AsyncSubscription.poll hands out kept deliveries of the leases still held
         "_claiming",  # the runtime notes a claim cancelled in flight by its token (AsyncWorker gives it back)
         "_give_back",
+        "_flow_state",  # the runtime reads a queue's cached flow state: an ack of a limited queue wakes the fetch
         "_now_in",  # cron's install and uninstall reach the runs through the queue's operations, in their
         "_existing_keys",  # transaction (delayq/queue/_queued.py), not through statements of their own
         "_offer_encoded",

@@ -24,6 +24,7 @@ from delayq import (
     RetryPolicy,
     Worker,
 )
+from delayq.dialects import dialect_for
 
 SECOND = dt.timedelta(seconds=1)
 
@@ -201,3 +202,87 @@ def test_stop_ends_the_ack_loop_even_while_it_sleeps_for_a_long_poll_interval(
         assert worker.stop()
     assert [t.name for t in set(threading.enumerate()) - before if t.name == "delayq-ack" and t.is_alive()] == []
     assert count_rows(engine, queue_name) == 0
+
+
+def test_an_idle_worker_claims_one_first_then_the_rest_in_a_batch(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """Where a claim of one costs one round trip and a batch a transaction's three (PostgreSQL), a worker
+    whose last fetch started nothing claims one message first, its handler starting at once, then the rest
+    of its free slots in a batch; a busy worker claims batches. Elsewhere every claim is a batch."""
+    handled: list[str] = []
+    worker = Worker(engine, [handler_for(queue_name, lambda d, _: handled.append(d.key))], clock=clock, concurrency=8)
+    q = worker.queues[0]
+    limits: list[int] = []
+    claim = q.try_poll_many
+
+    def spy(limit: int, **kwargs: Any) -> list[Delivery]:
+        limits.append(limit)
+        return claim(limit, **kwargs)
+
+    q.try_poll_many = spy  # type: ignore[method-assign]
+    dialect = dialect_for(engine)
+    one_is_cheaper = dialect.claim_mode_for(1) != dialect.claim_mode_for(2)
+    assert one_is_cheaper == (engine.dialect.name == "postgresql")
+
+    assert worker.run_once() == 0  # idle: nothing due
+    q.offer_many([(f"k{i}", i, None) for i in range(5)])
+    assert worker.run_once() == 5  # one, the other four in a batch, then a batch that finds none
+    q.offer("again", 1)
+    assert worker.run_once() == 1  # idle again: one first
+    assert sorted(handled) == sorted(["again", *(f"k{i}" for i in range(5))])
+    if one_is_cheaper:
+        assert limits == [1, 1, 7, 8, 1, 7, 8]
+    else:
+        assert limits == [8, 8, 8, 8, 8]
+
+
+def test_a_claims_jobs_are_all_held_before_its_first_handler_starts(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """The jobs of one claim are recorded together (one lock, one clock reading), then their handlers start:
+    the first handler to run already finds the whole claim held."""
+    held: list[int] = []
+    lock = threading.Lock()
+
+    def body(d: Delivery, _: object) -> None:
+        with lock:
+            held.append(worker._core.jobs.running())
+
+    worker = Worker(engine, [handler_for(queue_name, body)], clock=clock, concurrency=8)
+    q = worker.queues[0]
+    q.offer_many([(f"k{i}", i, None) for i in range(5)])
+    worker._core._idle = False  # a busy worker's claim: a batch (an idle one on PostgreSQL claims one first)
+    assert worker.run_once() == 5
+    assert held[0] == 5
+
+
+def test_the_handler_pool_gives_each_waiting_call_a_thread_of_its_own() -> None:
+    """A batch of calls that all block each start on a thread of their own (a sleeping thread is woken for
+    each, one wake-up leading to the next); quick calls all run; cancelled ones never; shutdown ends the
+    threads. (No database: the pool is the driver's own machinery.)"""
+    from delayq.runtime._threads import DaemonPool
+
+    pool = DaemonPool(8, "test-pool")
+    gate, lock = threading.Event(), threading.Lock()
+    running: set[str] = set()
+
+    def blocking() -> None:
+        with lock:
+            running.add(threading.current_thread().name)
+        gate.wait(60)
+
+    tasks = [pool.submit(blocking) for _ in range(8)]
+    wait_until(lambda: len(running) == 8, "eight blocking calls running at once, each on its own thread")
+    late = pool.submit(lambda: running.add("late"))
+    assert late.cancel()  # no thread free: it had not started
+    gate.set()
+    assert all(t.wait(30) for t in tasks)
+    done: list[int] = []
+    quick = [pool.submit(lambda i=i: done.append(i)) for i in range(100)]
+    assert all(t.wait(30) for t in quick)
+    assert sorted(done) == list(range(100)) and "late" not in running
+    pool.shutdown()
+    for t in pool._threads:
+        t.join(30)
+        assert not t.is_alive()

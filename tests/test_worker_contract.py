@@ -608,3 +608,91 @@ def test_transactional_queue_handlers_write_exactly_once_when_locks_are_lost(
         rows = conn.execute(sa.select(effects.c.key, sa.func.count()).group_by(effects.c.key)).all()
     assert dict(rows) == dict.fromkeys(keys, 1)
     assert len(lost) == 20
+
+
+# -- flow control: a limited queue under the worker -------------------------------------------------------
+def overlap(history: list[tuple[int, str, str]]) -> int:
+    """The most handlers between their start and their end at once, from (ns, event, key) records."""
+    running = most = 0
+    for _, event, _ in sorted(history, key=lambda h: (h[0], h[1] == "start")):  # an end before a start at a tie
+        running += 1 if event == "start" else -1
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("limit", ["concurrency", "group"])
+def test_a_limited_queue_drains_with_its_limit_held(driver: Driver, queue_name: str, limit: str) -> None:
+    """Eight slots on a queue limited to two running (a concurrency limit, or one group of two): the
+    handlers, each recording its start and end, never overlap more than two, and the queue drains. The
+    poll interval is an hour: slots refill as the acks commit (an ack of a limited queue wakes the fetch
+    loop; a claim before it still counts the handled messages as running), not at a poll."""
+    q = DelayedQueue(driver.backend.engine, queue_name)
+    items = [(f"k{i:02}", i, None) for i in range(24)]
+    if limit == "concurrency":
+        q.set_concurrency_limit(2)
+        q.offer_many(items)
+    else:
+        q.set_group_concurrency(2)
+        q.offer_many(items, group="g")
+    history: list[tuple[int, str, str]] = []
+    lock = threading.Lock()
+
+    def body(d: Delivery, _: object) -> None:
+        with lock:
+            history.append((time.monotonic_ns(), "start", d.key))
+        time.sleep(0.001)  # (a little work, so that handlers could overlap)
+        with lock:
+            history.append((time.monotonic_ns(), "end", d.key))
+
+    worker = driver.worker(
+        [driver.queue_handler(queue_name, body)], concurrency=8, poll_interval=dt.timedelta(hours=1), listen=False
+    )
+    worker.start()
+    try:
+        wait_until(lambda: q.stats().ready + q.stats().in_flight == 0, "the queue to drain", 120)
+    finally:
+        assert worker.stop()
+    assert sorted(k for _, e, k in history if e == "start") == [k for k, _, _ in items]
+    assert overlap(history) <= 2
+
+
+def test_an_ack_wakes_the_fetch_only_for_a_queue_whose_claims_count_held_messages(
+    backend: Backend, clock: ManualClock
+) -> None:
+    """``Core.flush_acks`` says whether an ack committed for a queue under a concurrency limit or with groups
+    (the drivers then wake their fetch loop); a plain or rate-limited queue's acks wake nothing."""
+    names = {kind: f"q-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("plain", "concurrency", "group", "rate")}
+    setup = {name: DelayedQueue(backend.engine, name, clock=clock) for name in names.values()}
+    setup[names["concurrency"]].set_concurrency_limit(5)
+    setup[names["group"]].set_group_concurrency(2)
+    setup[names["rate"]].set_rate_limit(100, dt.timedelta(seconds=1))
+    for kind, name in names.items():
+        setup[name].offer("k", 1, group="g" if kind == "group" else None)
+    clock.advance(SECOND)  # (the rate limit's bucket fills)
+    for kind, name in names.items():
+        worker = Worker(backend.engine, [noop_handler(name)], clock=clock, poll_interval=SECOND)
+        core = worker._core
+        assert core.flush_acks() is False  # nothing to ack
+        source = core.queue_sources[name]
+        claimed = source.claim(1, lambda s, j: None, backoff=lambda n: 1.0)
+        assert claimed is not None and len(claimed) == 1, kind
+        [job] = claimed
+        core.jobs.finish(job, True)
+        assert core.flush_acks() is (kind in ("concurrency", "group")), kind
+        assert setup[name].stats().in_flight == 0
+
+
+def noop_handler(queue_name: str) -> Handler:
+    return type("Noop", (Handler,), {"queue": queue_name, "handle": lambda self, d, conn=None: None})()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("poll", [0.05, 1.0, 30.0])
+def test_a_workers_queues_read_their_flow_state_at_least_once_per_poll_interval(
+    driver: Driver, queue_name: str, poll: float
+) -> None:
+    """A pause counts within one poll interval whatever it is: the worker's own queues keep their flow state
+    for ``min(1 s, poll_interval)``."""
+    handler = driver.queue_handler(queue_name, lambda d, c: None)
+    running = driver.worker([handler], poll_interval=dt.timedelta(seconds=poll), listen=False)
+    [source] = running.worker._core.queue_sources.values()
+    assert source.queue._flow_refresh_s == min(1.0, poll)

@@ -176,6 +176,7 @@ class AsyncWorker:
                 schema=schema,
                 transient_retry=transient_retry,
                 max_deliveries=h.retry.max_attempts,
+                flow_refresh=core.flow_refresh,
             )
             self.async_queues[name] = aq
             source.queue = aq.sync  # the sync core, retried by the worker's loops
@@ -518,9 +519,12 @@ class AsyncWorker:
 
     async def _flush_acks(self) -> None:
         try:
-            await self._call(self._core.flush_acks)
+            freed = await self._call(self._core.flush_acks)
         except Exception as exc:  # (a stalled call) the next flush tries again
             log.warning("could not ack: %s", describe(exc))
+            return
+        if freed:  # a limited queue's claims no longer count these: the fetch may find work now
+            self._poke()
 
     # -- claims ---------------------------------------------------------------------------------
     async def _give_back_unknown_claims(self) -> None:

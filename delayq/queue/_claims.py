@@ -333,7 +333,9 @@ class _Claims(_Flow):
         dead: list[tuple[int, str, str | None]] = []
         limit = self.max_deliveries
         for row in rows:
-            if limit is not None:  # this claim is delivery ``attempts``: the earlier ones ended without an outcome
+            # This claim is delivery ``attempts``: the earlier ones ended without an outcome. Only a row at the
+            # cap goes through the one decision (``used_up``: attempts >= max_attempts), not every row.
+            if limit is not None and row.attempts - 1 >= limit:
                 cap = after_failure(Unfinished(row.attempts - 1), row.attempts - 1, max_attempts=limit)
                 if isinstance(cap, Bury):
                     dead.append((row.id, row.lock_token, cap.reason))

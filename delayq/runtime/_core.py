@@ -56,6 +56,7 @@ ACK_GATHER = 0.002  # seconds the ack loop lets a batch of handlers finish befor
 FETCH_GATHER = 0.002  # seconds the fetch loop, after a claim, lets handlers free slots to claim for together
 MAX_ERROR_BACKOFF = 5.0
 HEARTBEAT_TICK = 0.05
+FLOW_REFRESH = dt.timedelta(seconds=1)  # the longest a worker's queue keeps its flow state (pause, limits)
 
 
 def backoff(errors: int) -> float:
@@ -115,6 +116,9 @@ class Core:
             raise InvalidInputError("a Worker needs at least one handler")
         self.concurrency = concurrency
         self.poll_interval = poll_interval.total_seconds()
+        self.flow_refresh = min(FLOW_REFRESH, poll_interval)
+        """How long the worker's queues keep their flow state (pause, limits) before they read it again: at
+        most the poll interval, so a pause counts within one poll interval whatever it is."""
         self.shutdown_timeout = shutdown_timeout.total_seconds()
         self.clock = clock
         self.name = f"{socket.gethostname()[:150]}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -153,6 +157,7 @@ class Core:
                 table_prefix=table_prefix,
                 schema=schema,
                 max_deliveries=h.retry.max_attempts,
+                flow_refresh=self.flow_refresh,
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
@@ -167,6 +172,11 @@ class Core:
         self.stopped.set()
         self.last_fetch: float | None = None
         self._turn = 0  # the source that claims first on the next fetch (round robin)
+        dialect = dialect_for(engine)
+        self._probe = dialect.claim_mode_for(1) != dialect.claim_mode_for(2)
+        """Whether a claim of one costs fewer round trips than a batch (PostgreSQL: one autocommitted
+        statement, against BEGIN + SET LOCAL, the claim, COMMIT): then an idle worker claims one first."""
+        self._idle = True  # the last fetch started nothing
 
     @property
     def queues(self) -> Sequence[DelayedQueue]:
@@ -184,6 +194,11 @@ class Core:
         Sources take turns to claim first; each gets an equal share of the free slots, and what one
         leaves (it had fewer due) goes to the others in further passes. A failed claim backs its
         source off (logged); with ``guard=False`` it raises.
+
+        When the last fetch started nothing (the worker was idle) and a claim of one is cheaper than a
+        batch on this database, queue sources claim one each until one is found, its handler started
+        at once; the rest of the free slots are claimed in batches by the passes after it. An idle
+        worker's pickup then waits for one round trip, not a transaction's three.
         """
         sources = self.sources
         turn = self._turn
@@ -194,6 +209,7 @@ class Core:
         candidates = [s for s in sources if s.ready(now)]
         started: list[Job | TopicJob] = []
         stopping = self.stopping
+        probe = self._probe and self._idle  # claim one first (see above) until one is found
         while free > 0 and candidates and not stopping.is_set():
             share, more = max(1, free // len(candidates)), []
             for source in candidates:
@@ -202,17 +218,22 @@ class Core:
                 want = min(share, free)
                 got: Sequence[Job | TopicJob] | None
                 if isinstance(source, QueueSource):
+                    if probe:
+                        want = 1
                     got = source.claim(want, start_queue, guard, first=self.last_fetch is None, backoff=backoff)
                 else:
                     got = source.claim(want, start_topic, guard)
                 if got is None:
                     continue
                 self.last_fetch = time.monotonic()
-                started += got
-                free -= len(got)
+                if got:
+                    probe = False
+                    started += got
+                    free -= len(got)
                 if len(got) == want:
                     more.append(source)
             candidates = more
+        self._idle = not started
         return started
 
     def until_next_due(self) -> float:
@@ -296,12 +317,18 @@ class Core:
             overdue(job.delivery.label, time.monotonic() - job.started_at, timeout)
             observe.count("overdue", job.queue.name)
 
-    def flush_acks(self) -> None:
-        """Ack the handled queue jobs (one statement per queue); a failure is logged, tried again next time."""
+    def flush_acks(self) -> bool:
+        """Ack the handled queue jobs (one statement per queue); a failure is logged, tried again next time.
+
+        True when an ack committed for a queue under a concurrency limit or with groups (as its claims last
+        read them): its claims counted those messages as running until now, so a claim that found nothing
+        since may find work now, and the driver wakes its fetch loop rather than wait out the backoff."""
         try:
-            self.jobs.flush_acks()
+            acked = self.jobs.flush_acks()
         except Exception as exc:
             log.warning("could not ack: %s", describe(exc))
+            return False
+        return any(holds_slots(q) for q in acked)
 
     # -- shutdown -------------------------------------------------------------------------------
     def forget_unacked(self) -> None:
@@ -351,6 +378,13 @@ class Core:
             f"worker {self.name} started: queues {', '.join(self.queue_sources) or 'none'}; "
             f"topics {self.topics or 'none'}; concurrency {self.concurrency}"
         )
+
+
+def holds_slots(queue: DelayedQueue) -> bool:
+    """Whether the queue's claims, as last read (its cached flow state), count held messages against a
+    limit: a concurrency limit, or groups."""
+    state = queue._flow_state
+    return state is not None and (state.concurrency is not None or state.grouped)
 
 
 def exit_now(signum: int, after: float) -> None:

@@ -15,7 +15,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,16 +75,32 @@ class Jobs:
         with self._lock:
             return len(self._jobs)
 
-    def add(self, handler: Handler, queue: DelayedQueue, delivery: Delivery, claimed_at: float) -> Job:
-        """A job on a delivery claimed by a statement sent at monotonic time ``claimed_at``."""
+    def add_claimed(
+        self, handler: Handler, queue: DelayedQueue, deliveries: Sequence[Delivery], claimed_at: float
+    ) -> list[Job]:
+        """The jobs on the deliveries of one claim, sent at monotonic time ``claimed_at``: one lock and one
+        clock reading per claim, not per message."""
         vt = handler.visibility_timeout.total_seconds()
-        job = Job(handler, queue, delivery, extend_at=claimed_at + vt / 2, valid_until=claimed_at + vt)
-        job.started_at = claimed_at
-        job.started_on_clock = None if self.clock is None else self.clock.now()
+        extend_at, valid_until = claimed_at + vt / 2, claimed_at + vt
+        on_clock = None if self.clock is None else self.clock.now()
+        jobs = [
+            Job(
+                handler,
+                queue,
+                delivery,
+                extend_at,
+                valid_until,
+                started_at=claimed_at,
+                started_on_clock=on_clock,
+            )
+            for delivery in deliveries
+        ]
         with self._lock:
-            self._jobs[id(job)] = job
-            self._running += 1
-        return job
+            held = self._jobs
+            for job in jobs:
+                held[id(job)] = job
+            self._running += len(jobs)
+        return jobs
 
     def running(self) -> int:
         """How many handlers run."""
@@ -148,8 +164,9 @@ class Jobs:
             return len(handled)
 
     # -- acks -----------------------------------------------------------------------------------
-    def flush_acks(self) -> None:
-        """Ack the handled deliveries: one statement per queue, never waiting on a row lock.
+    def flush_acks(self) -> list[DelayedQueue]:
+        """Ack the handled deliveries: one statement per queue, never waiting on a row lock; the queues
+        whose ack statement committed.
 
         What an ack could not delete this time (its row locked by another transaction, or the
         statement failed) is tried again at the next flush, while the lock still holds.
@@ -158,9 +175,11 @@ class Jobs:
             pending = [x for x in self._jobs.values() if x.done and not x.acking and not x.lost]
             for x in pending:
                 x.acking = True
+        acked: list[DelayedQueue] = []
         for queue, group in by_queue(pending):
             try:
                 self._ack(queue, group)
+                acked.append(queue)
             except Exception as exc:
                 log.warning(
                     "queue %s: could not ack %d message(s) (%s); trying again at the next flush",
@@ -173,6 +192,7 @@ class Jobs:
                 with self._lock:
                     for x in group:
                         x.acking = False
+        return acked
 
     def _ack(self, queue: DelayedQueue, group: list[Job]) -> None:
         acked = queue.ack_many([x.delivery for x in group], skip_locked=True)

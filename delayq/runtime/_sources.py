@@ -97,12 +97,9 @@ class QueueSource:
             )
             return None
         self._errors = 0
-        jobs = []
-        handler, queue, add = self.handler, self.queue, self.jobs.add
-        for delivery in deliveries:
-            job = add(handler, queue, delivery, before)
+        jobs = self.jobs.add_claimed(self.handler, self.queue, deliveries, before)  # each held before it starts
+        for job in jobs:
             job.task = start(self, job)
-            jobs.append(job)
         return jobs
 
     @staticmethod

@@ -10,8 +10,8 @@ submits one per message, so what a submission costs is paid per message.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 from collections.abc import Callable
 
@@ -76,10 +76,22 @@ class Task:
 
 
 class DaemonPool:
-    """``size`` daemon threads running submitted calls in order of submission."""
+    """``size`` daemon threads running submitted calls in order of submission.
+
+    A submission wakes a sleeping thread only when no wake-up is under way; a thread that takes a call
+    while more wait wakes the next sleeping one before it runs its own. So each waiting call still gets
+    a thread of its own at once (one that sleeps is woken for it: a call that blocks delays no other),
+    while a thread that returns finds the next call itself: a batch of quick calls costs a few wake-ups,
+    not one per call.
+    """
 
     def __init__(self, size: int, name: str) -> None:
-        self._tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._tasks: collections.deque[Task | None] = collections.deque()
+        self._lock = threading.Lock()  # guards the fields below
+        self._sleeping = 0  # threads waiting for a call
+        self._waking = False  # a wake-up was sent and no sleeping thread has taken it yet
+        self._bell = threading.Lock()  # held while no wake-up is pending: released once per wake-up
+        self._bell.acquire()
         self._states = _States()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(size)]
         for t in self._threads:
@@ -90,15 +102,39 @@ class DaemonPool:
         return Task(fn, self._states)
 
     def submit(self, fn: Callable[[], None]) -> Task:
-        task = self.task(fn)
-        self._tasks.put(task)
+        task = Task(fn, self._states)
+        self._put(task)
         return task
 
     def shutdown(self) -> None:
         """Let each thread exit after its current call; does not wait for them."""
         for _ in self._threads:
-            self._tasks.put(None)
+            self._put(None)
+
+    def _put(self, item: Task | None) -> None:
+        with self._lock:
+            self._tasks.append(item)
+            if self._sleeping and not self._waking:
+                self._waking = True
+                self._bell.release()
 
     def _work(self) -> None:
-        while (task := self._tasks.get()) is not None:
+        lock, tasks, bell = self._lock, self._tasks, self._bell
+        while True:
+            with lock:
+                while not tasks:
+                    self._sleeping += 1
+                    lock.release()
+                    try:
+                        bell.acquire()  # the one pending wake-up: this thread takes it
+                    finally:
+                        lock.acquire()
+                        self._sleeping -= 1
+                        self._waking = False
+                task = tasks.popleft()
+                if tasks and self._sleeping and not self._waking:  # more wait: the next sleeper starts one
+                    self._waking = True
+                    bell.release()
+            if task is None:
+                return
             task.run()
