@@ -262,9 +262,13 @@ FULL_PROFILE_MODULES = {
     "test_spark_streams",
     "test_examples",
     "test_benchmarks",
+    "test_worker_network",
+    "test_worker_processes",
+    "test_worker_shutdown",
 }
 """Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
-as a subprocess, the benchmarks' smoke run. Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
+as a subprocess, the benchmarks' smoke run, and the worker fault tests that signal or kill ``delayq worker``
+processes or silence their network for seconds (on both drivers). Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
 
 
 SPARK_MODULES = sorted(m for m in FULL_PROFILE_MODULES if m.startswith("test_spark"))
