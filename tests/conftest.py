@@ -268,7 +268,8 @@ FULL_PROFILE_MODULES = {
 }
 """Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
 as a subprocess, the benchmarks' smoke run, and the worker fault tests that signal or kill ``delayq worker``
-processes or silence their network for seconds (on both drivers). Single tests elsewhere carry ``@pytest.mark.slow`` themselves."""
+processes or silence their network for seconds (on both drivers). Single tests elsewhere carry
+``@pytest.mark.slow`` themselves."""
 
 
 SPARK_MODULES = sorted(m for m in FULL_PROFILE_MODULES if m.startswith("test_spark"))
