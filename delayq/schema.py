@@ -35,6 +35,10 @@ class Tables:
     topics: TopicTables
     flow: sa.Table
     """One row per queue whose flow was ever set: paused, or offered a priority (``delayq.queue._flow``)."""
+    finished: sa.Table
+    """Messages kept after they finished: completed (retention, ``unique_for``) or cancelled (``delayq.queue``)."""
+    chores: sa.Table
+    """One row per background chore (the pruner): which process holds it until when, so one runs at a time."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +102,8 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("headers", sa.Text, nullable=True),
         sa.Column("priority", sa.SmallInteger, nullable=False, server_default="0"),
         sa.Column("group_key", name_type(MAX_KEY_LENGTH), nullable=True),
+        sa.Column("tags", sa.Text, nullable=True),
+        sa.Column("unique_for_ms", sa.BigInteger, nullable=True),
         sa.UniqueConstraint("queue", "key", name=f"{prefix}messages_queue_key_uq"),
         sa.Index(f"{prefix}messages_due_ix", "queue", "scheduled_at", "id"),
         # Partial where the backend can (PostgreSQL, SQLite): only messages with a priority other than 0, so the
@@ -125,7 +131,10 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("attempt_history", sa.Text, nullable=True),
         sa.Column("headers", sa.Text, nullable=True),
         sa.Column("failed_at", sa.BigInteger, nullable=False),
+        sa.Column("tags", sa.Text, nullable=True),
+        sa.Column("expires_at", sa.BigInteger, nullable=True),
         sa.Index(f"{prefix}dead_letters_queue_key_ix", "queue", "key"),
+        sa.Index(f"{prefix}dead_letters_expires_ix", "expires_at"),
         sa.Index(f"{prefix}dead_letters_failed_ix", "queue", "failed_at"),
         **TABLE_OPTIONS,
     )
@@ -164,7 +173,43 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("updated_at", sa.BigInteger, nullable=False),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow)
+    # Messages kept after they finished (delayq_0007): ``state`` 1 completed (acked while the queue keeps a
+    # history, or offered with ``unique_for``), 2 cancelled (while a handler ran it, or while the queue keeps a
+    # history); the handler's result when the queue keeps results; deleted by the pruner once ``expires_at`` passed.
+    finished = sa.Table(
+        f"{prefix}finished",
+        md,
+        *_message_columns(),
+        sa.Column("state", sa.SmallInteger, nullable=False),
+        sa.Column("scheduled_at_initially", sa.BigInteger, nullable=False),
+        sa.Column("created_at", sa.BigInteger, nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("attempt_history", sa.Text, nullable=True),
+        sa.Column("headers", sa.Text, nullable=True),
+        sa.Column("tags", sa.Text, nullable=True),
+        sa.Column("finished_at", sa.BigInteger, nullable=False),
+        sa.Column("duration_ms", sa.BigInteger, nullable=True),
+        sa.Column("result", Payload, nullable=True),
+        sa.Column("result_type", sa.String(100), nullable=True),
+        sa.Column("expires_at", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}finished_queue_key_ix", "queue", "key", "finished_at"),
+        sa.Index(f"{prefix}finished_state_ix", "queue", "state", "finished_at", "id"),
+        sa.Index(f"{prefix}finished_expires_ix", "expires_at"),
+        **TABLE_OPTIONS,
+    )
+    # One row per background chore shared by all workers (the pruner of kept rows): the process holding it and
+    # until when (database time); a worker runs the chore only while its row is its own.
+    chores = sa.Table(
+        f"{prefix}chores",
+        md,
+        sa.Column("name", name_type(MAX_QUEUE_LENGTH), primary_key=True),
+        sa.Column("holder", sa.String(200), nullable=True),
+        sa.Column("expires_at", sa.BigInteger, nullable=False),
+        sa.Column("done_at", sa.BigInteger, nullable=True),
+        **TABLE_OPTIONS,
+    )
+    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores)
 
 
 MAX_TOPIC_LENGTH = 100

@@ -304,6 +304,8 @@ class _Claims(_Flow):
                         "attempt_history": failures[error].appended_to(row.attempt_history, row.attempts, int(row.now)),
                         "headers": row.headers,
                         "failed_at": row.now,
+                        "tags": row.tags,
+                        "expires_at": None,
                     },
                 )
                 moved += conn.execute(stmts.delete_held, params).rowcount

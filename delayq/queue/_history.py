@@ -57,6 +57,7 @@ def statements(stmts: Statements) -> HistoryStatements:
             m.c.attempts,
             m.c.attempt_history,
             m.c.headers,
+            m.c.tags,
             now.label("now"),
         )
         .where(held)
