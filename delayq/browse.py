@@ -49,6 +49,14 @@ class StoredMessage:
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
     claimed_at: dt.datetime | None = None
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+    id: int | None = None
+    """Its row's id (what the next page of ``list_messages`` starts after)."""
+
+    @property
+    def cursor(self) -> tuple[int, int]:
+        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id)."""
+        due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
+        return due, self.id or 0
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -109,8 +117,12 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int] | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id).
+
+    Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
+    so a page deep in a big queue costs what the first does)."""
     dead = state is State.DEAD
     rows = _views.list_rows(
         conn,
@@ -122,6 +134,7 @@ def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
     )
     return [
         StoredMessage(
@@ -136,6 +149,7 @@ def list_messages(
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
+            id=int(r.id),
         )
         for r in rows
     ]

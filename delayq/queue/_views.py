@@ -63,10 +63,13 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
     return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
 
 
-def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool) -> sa.Select[Any]:
+def _rows(
+    stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool, paged: bool = False
+) -> sa.Select[Any]:
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -80,6 +83,7 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
     else:
         t = stmts.tables.messages
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -99,6 +103,11 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
         }
         if state is not None:
             stmt = stmt.where(where[state])
+        if paged:  # (scheduled_at, id) after the cursor's, as a range the (queue, scheduled_at, id) index starts at
+            after_at, after_id = _ms("after_at"), _ms("after_id")
+            stmt = stmt.where(t.c.scheduled_at >= after_at, sa.or_(t.c.scheduled_at > after_at, t.c.id > after_id))
+    if dead and paged:
+        stmt = stmt.where(t.c.id > _ms("after_id"))
     stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
     if by_prefix:
         stmt = stmt.where(stmts.starts_with(t.c.key))
@@ -118,14 +127,20 @@ def list_rows(
     key_prefix: str | None,
     key: str | None,
     limit: int,
+    after: tuple[int, int] | None = None,
 ) -> Sequence[Row[Any]]:
     """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id. Columns: key, payload_type, payload, attempts, last_error,
-    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply)."""
+    with ``dead``, its dead letters by id. Columns: id, key, payload_type, payload, attempts, last_error,
+    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply).
+
+    ``after`` pages by keyset: the rows after the row whose (scheduled_at, id) it is (a dead letter's:
+    after its id, the first item ignored), never by OFFSET."""
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None)
+    shape = (dead, None if dead else state, bool(key_prefix), key is not None, after is not None)
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
+    if after is not None:
+        params.update(after_at=after[0], after_id=after[1])
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
     return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
