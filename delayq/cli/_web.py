@@ -24,19 +24,21 @@ def _loopback(host: str) -> bool:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (this machine only by default).")
 @click.option("--port", default=8042, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--allow-actions", is_flag=True, help="Allow actions (run now, cancel, requeue, pause...); read-only else.")
+@click.option(
+    "--allow-actions", is_flag=True, help="Allow actions (run now, cancel, requeue, pause, ...); else read-only."
+)
 @click.option(
     "--basic-auth",
     envvar="DELAYQ_WEB_BASIC_AUTH",
     metavar="USER:PASSWORD",
     help="Ask every request for this user and password (or DELAYQ_WEB_BASIC_AUTH; prefer the variable).",
 )
-@click.option("--refresh", default=2.0, show_default=True, type=click.FloatRange(min=0.5), help="Seconds per live update.")
+@click.option(
+    "--refresh", default=2.0, show_default=True, type=click.FloatRange(min=0.5), help="Seconds between live updates."
+)
 @click.pass_context
 @friendly
-def web(
-    ctx: click.Context, host: str, port: int, allow_actions: bool, basic_auth: str | None, refresh: float
-) -> None:
+def web(ctx: click.Context, host: str, port: int, allow_actions: bool, basic_auth: str | None, refresh: float) -> None:
     """Serve the web dashboard: queues, messages, dead letters, cron schedules, topics (Ctrl-C ends).
 
     It binds 127.0.0.1 unless --host says otherwise; anywhere else, protect it with --basic-auth behind

@@ -206,5 +206,3 @@ ACTIONS: dict[str, Action] = {
 }
 BULK = {"requeue-all", "purge-all"}
 """Actions on many dead letters: they answer a confirmation page first."""
-
-

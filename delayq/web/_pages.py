@@ -124,7 +124,9 @@ async def topics(dash: Dashboard, request: Request) -> Response:
 
 async def topics_json(dash: Dashboard, request: Request) -> Response:
     found = await run_in_threadpool(_reads.topics, dash.where)
-    rows = [{"topic": t.topic, "partitions": t.partitions, "published": t.published, "retained": t.retained} for t in found]
+    rows = [
+        {"topic": t.topic, "partitions": t.partitions, "published": t.published, "retained": t.retained} for t in found
+    ]
     return json_response({"topics": rows})
 
 

@@ -16,11 +16,11 @@ import sqlalchemy as sa
 
 from delayq.browse import State, StoredMessage, database_now, list_messages, queue_names
 from delayq.cron import schedule_views
+from delayq.errors import SerializationMismatchError
 from delayq.humanize import human, shorten
 from delayq.messages import FlowState, Message, QueueStats
 from delayq.queue import DelayedQueue
 from delayq.schema import Tables, make_tables
-from delayq.errors import SerializationMismatchError
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
 from delayq.topics.names import dead_letter_topic
 from delayq.topics.views import (
@@ -56,7 +56,9 @@ class Where:
 
     def queue(self, name: str) -> DelayedQueue:
         """The queue as an operator acts on it: payloads are not decoded, any serializer's rows qualify."""
-        return DelayedQueue(self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer())
+        return DelayedQueue(
+            self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer()
+        )
 
 
 @dataclass(frozen=True)
