@@ -48,6 +48,7 @@ async def act(dash: Dashboard, request: Request) -> Response:
         done = await run_in_threadpool(action, dash.where.queue(queue), form, dash.where)
     except InvalidInputError as exc:
         return dash.error(request, 400, str(exc))
+    dash.snapshots.refresh_soon()  # (the counts the next pages show)
     return RedirectResponse(_back(request, form, done), status_code=303)
 
 

@@ -23,20 +23,27 @@ def _queue(request: Request, name: str = "queue") -> str:
 
 
 async def overview(dash: Dashboard, request: Request) -> Response:
-    now, views = await run_in_threadpool(_reads.overview, dash.where)
-    dash.samples.add(views)
-    return dash.render(request, "overview.html", now=now, queues=[v.as_dict() for v in views])
+    snap = await run_in_threadpool(dash.snapshots.latest)
+    return dash.render(request, "overview.html", now=snap.taken_at, queues=[v.as_dict() for v in snap.queues])
 
 
 async def overview_json(dash: Dashboard, request: Request) -> Response:
-    now, views = await run_in_threadpool(_reads.overview, dash.where)
-    dash.samples.add(views)
-    rows = [v.as_dict() | {"series": dash.samples.series(v.name)} for v in views]
-    return json_response({"now": now.isoformat(), "queues": rows})
+    snap = await run_in_threadpool(dash.snapshots.latest)
+    rows = [v.as_dict() | {"series": dash.samples.series(v.name)} for v in snap.queues]
+    return json_response({"now": snap.taken_at.isoformat(), "queues": rows})
+
+
+def _counts(dash: Dashboard, name: str) -> _reads.QueueView:
+    """A queue's counts from the shared snapshot (read on its own when the snapshot lacks it), and its flow
+    settings as stored now (one row: a pause shows at once)."""
+    found = dash.snapshots.latest().get(name)
+    if found is None:
+        return _reads.one_queue(dash.where, name)
+    return _reads.QueueView(name, found.stats, dash.where.queue(name).flow())
 
 
 async def queue_json(dash: Dashboard, request: Request) -> Response:
-    view = await run_in_threadpool(_reads.one_queue, dash.where, _queue(request))
+    view = await run_in_threadpool(_counts, dash, _queue(request))
     return json_response(view.as_dict())
 
 
@@ -79,7 +86,7 @@ def _page_and_counts(
     dash: Dashboard, name: str, state: State | None, prefix: str, after: tuple[int, int] | None
 ) -> tuple[_reads.Page, _reads.QueueView]:
     page = _reads.messages_page(dash.where, name, state=state, key_prefix=prefix, after=after)
-    return page, _reads.one_queue(dash.where, name)
+    return page, _counts(dash, name)
 
 
 def _row(m: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from delayq.humanize import human
 from delayq.web import _csrf
 from delayq.web._reads import Where
 from delayq.web._samples import Samples
+from delayq.web._snapshot import Snapshots
 
 HERE = Path(__file__).parent
 
@@ -54,13 +55,16 @@ class Dashboard:
     authorize: Callable[[Request], bool] | None
     refresh_s: float
     samples: Samples
+    snapshots: Snapshots
     env: jinja2.Environment
 
     @classmethod
     def make(
         cls, where: Where, actions: bool, authorize: Callable[[Request], bool] | None, refresh_s: float
     ) -> Dashboard:
-        return cls(where, actions, authorize, refresh_s, Samples(every=max(refresh_s, 1.0)), _environment())
+        samples = Samples(every=max(refresh_s, 1.0))
+        snapshots = Snapshots.of(where, refresh_s, samples)
+        return cls(where, actions, authorize, refresh_s, samples, snapshots, _environment())
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
         """A page, with what every page shows: the base path, the CSRF token, whether actions are on."""
