@@ -45,7 +45,7 @@ def fill(engine: sa.Engine, prefix: str, total: int) -> None:
     """``total`` messages in ``QUEUE`` (unless it holds them already), and the small queues beside it."""
     q = DelayedQueue(engine, QUEUE, table_prefix=prefix)
     s = q.stats()
-    have = s.ready + s.scheduled + s.in_flight + s.expired_locks
+    have = s.ready + s.scheduled + s.in_flight + s.expired_locks + s.dead
     if have >= total:
         print(f"{QUEUE}: {have:,} messages already", flush=True)
         return

@@ -53,10 +53,10 @@ class StoredMessage:
     """Its row's id (what the next page of ``list_messages`` starts after)."""
 
     @property
-    def cursor(self) -> tuple[int, int]:
-        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id)."""
+    def cursor(self) -> tuple[int, int, str]:
+        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id, key)."""
         due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
-        return due, self.id or 0
+        return due, self.id or 0, self.key
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -117,9 +117,11 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
-    after: tuple[int, int] | None = None,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id).
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
+    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue).
 
     Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
     so a page deep in a big queue costs what the first does)."""
@@ -135,6 +137,7 @@ def list_messages(
         key=key,
         limit=limit,
         after=after,
+        key_order=by_key and not dead,
     )
     return [
         StoredMessage(

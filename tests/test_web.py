@@ -233,6 +233,14 @@ def test_listings_go_by_keyset_pages(backend: Backend, queue_name: str) -> None:
         url = None if found is None else found.group(1).replace("&amp;", "&")
         pages += 1
     assert pages == 3 and sorted(seen) == [f"k-{i:03d}" for i in range(120)] and len(set(seen)) == 120
+    keyed: list[str] = []  # under a key prefix: by key
+    url = f"/queue?queue={queue_name}&prefix=k-0"
+    while url is not None:
+        text = c.get(url).text
+        keyed += re.findall(r">(k-\d{3})</a>", text)
+        found = re.search(r'<a rel="next" href="([^"]+)"', text)
+        url = None if found is None else found.group(1).replace("&amp;", "&")
+    assert keyed == [f"k-{i:03d}" for i in range(100)]
     with backend.engine.connect() as conn:  # the same, through the public read the CLI could use
         tables, now = make_tables(), database_now(conn)
         first = list_messages(conn, tables, queue_name, state=None, now=now, limit=70)

@@ -117,7 +117,7 @@ def _purge(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
 
 def _dead_pages(where: Where, queue: str, prefix: str | None) -> Iterator[list[str]]:
     """The keys of the matching dead letters, a page at a time, walked once by keyset (by id)."""
-    after: tuple[int, int] | None = None
+    after: tuple[int, int, str] | None = None
     while True:
         with where.engine.connect() as conn:
             found = list_messages(

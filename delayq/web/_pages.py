@@ -83,7 +83,7 @@ async def _listing(dash: Dashboard, request: Request, name: str, state: State | 
 
 
 def _page_and_counts(
-    dash: Dashboard, name: str, state: State | None, prefix: str, after: tuple[int, int] | None
+    dash: Dashboard, name: str, state: State | None, prefix: str, after: tuple[int, int, str] | None
 ) -> tuple[_reads.Page, _reads.QueueView]:
     page = _reads.messages_page(dash.where, name, state=state, key_prefix=prefix, after=after)
     return page, _counts(dash, name)

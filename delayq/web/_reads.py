@@ -131,26 +131,35 @@ class Page:
 
 
 def encode_cursor(m: StoredMessage) -> str:
-    due, ident = m.cursor
-    return f"{due}.{ident}"
+    """A message's cursor in a URL: ``due.id.key``."""
+    due, ident, key = m.cursor
+    return f"{due}.{ident}.{key}"
 
 
-def decode_cursor(text: str | None) -> tuple[int, int] | None:
+def decode_cursor(text: str | None) -> tuple[int, int, str] | None:
     """A cursor from a URL; None when absent. ``ValueError`` when it is not one."""
     if not text:
         return None
-    due, _, ident = text.partition(".")
-    return int(due), int(ident)
+    due, ident, key = text.split(".", 2)
+    return int(due), int(ident), key
 
 
 def messages_page(
-    where: Where, queue: str, *, state: State | None, key_prefix: str | None, after: tuple[int, int] | None
+    where: Where, queue: str, *, state: State | None, key_prefix: str | None, after: tuple[int, int, str] | None
 ) -> Page:
     """A page of a queue's messages (or dead letters, with ``State.DEAD``), keyset-paginated."""
     with where.engine.connect() as conn:
         now = database_now(conn)
         found = list_messages(
-            conn, where.tables, queue, state=state, now=now, key_prefix=key_prefix or None, limit=PAGE + 1, after=after
+            conn,
+            where.tables,
+            queue,
+            state=state,
+            now=now,
+            key_prefix=key_prefix or None,
+            limit=PAGE + 1,
+            after=after,
+            by_key=bool(key_prefix),  # (under a prefix, by key: a range of the (queue, key) index)
         )
         conn.rollback()
     more = len(found) > PAGE
