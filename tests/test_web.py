@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import re
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -322,3 +323,39 @@ def test_state_filter_of_an_unknown_state_is_one_line(engine: sa.Engine, queue_n
     long = c.get("/queue", params={"queue": "q" * 300})
     assert long.status_code == 400
     assert State.DEAD.value not in re.findall(r'<option value="([^"]*)"', c.get(f"/queue?queue={queue_name}").text)
+
+
+def test_the_counts_snapshot_is_read_once_for_every_viewer(engine: sa.Engine, queue_name: str) -> None:
+    """Stale-while-revalidate: a page gets the last snapshot at once; a stale one starts one read in the
+    background, however many pages ask meanwhile (the dashboard's clock injected, the read held by a test)."""
+    from delayq.web._reads import Where, overview
+    from delayq.web._samples import Samples
+    from delayq.web._snapshot import Snapshots
+
+    DelayedQueue(engine, queue_name).offer("a", 1)
+    now = [100.0]
+    reads: list[int] = []
+    release = threading.Event()
+
+    def read(where: Where) -> Any:
+        reads.append(1)
+        if len(reads) > 1:
+            assert release.wait(10)
+        return overview(where)
+
+    snaps = Snapshots(Where(engine, "delayq_", None), 2.0, Samples(), read, clock=lambda: now[0])
+    first = snaps.latest()  # none yet: read now
+    assert first.get(queue_name) is not None and len(reads) == 1
+    now[0] += 1.0
+    assert snaps.latest() is first and len(reads) == 1  # fresh enough
+    DelayedQueue(engine, queue_name).offer("b", 2)
+    now[0] += 5.0
+    assert snaps.latest() is first and snaps.latest() is first  # stale: served at once, one read started
+    release.set()
+    for _ in range(100):
+        if snaps.latest() is not first:
+            break
+        threading.Event().wait(0.05)
+    assert len(reads) == 2
+    view = snaps.latest().get(queue_name)
+    assert view is not None and view.stats.ready == 2

@@ -7,7 +7,8 @@ mount path). It reads and acts only through delayq's public operations, serves i
 
 Modules: ``_reads`` (what pages show, through the public reads), ``_pages`` (GET pages and their JSON
 panels), ``_actions`` (POST actions), ``_csrf`` (the double-submit token), ``_render`` (templates and the
-shared state), ``_samples`` (the charts' in-memory history), ``_auth`` (HTTP basic auth for ``delayq web``).
+shared state), ``_snapshot`` (every queue's counts, read once for all viewers), ``_samples`` (the charts'
+in-memory history), ``_auth`` (HTTP basic auth for ``delayq web``).
 """
 
 from __future__ import annotations

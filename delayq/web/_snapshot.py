@@ -45,8 +45,9 @@ class Snapshots:
         max_age: float,
         samples: Samples,
         read: Callable[[Where], tuple[dt.datetime, list[QueueView]]],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.where, self.max_age, self.samples, self._read = where, max_age, samples, read
+        self.where, self.max_age, self.samples, self._read, self._clock = where, max_age, samples, read, clock
         self._last: Snapshot | None = None
         self._lock = threading.Lock()
         self._reading = False
@@ -60,7 +61,7 @@ class Snapshots:
         last = self._last
         if last is None:
             return self._refresh()
-        if time.monotonic() - last.read_at > self.max_age:
+        if self._clock() - last.read_at > self.max_age:
             self.refresh_soon()
         return last
 
@@ -84,7 +85,7 @@ class Snapshots:
                 self._reading = True
         try:
             taken_at, queues = self._read(self.where)
-            snap = Snapshot(taken_at, queues, time.monotonic())
+            snap = Snapshot(taken_at, queues, self._clock())
             self._last = snap
             self.samples.add(queues)
             return snap
