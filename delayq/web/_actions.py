@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterator
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -20,7 +20,7 @@ from delayq.errors import InvalidInputError
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.web import _csrf
 from delayq.web._reads import Where
-from delayq.web._render import Dashboard, base_path
+from delayq.web._render import Dashboard, base_path, notice
 
 BULK_PAGE = 500
 """Dead letters read per page while a bulk requeue walks them."""
@@ -49,7 +49,9 @@ async def act(dash: Dashboard, request: Request) -> Response:
     except InvalidInputError as exc:
         return dash.error(request, 400, str(exc))
     dash.snapshots.refresh_soon()  # (the counts the next pages show)
-    return RedirectResponse(_back(request, form, done), status_code=303)
+    response = RedirectResponse(_safe_target(request, form), status_code=303)
+    notice(response, done, base_path(request))
+    return response
 
 
 def _safe_target(request: Request, form: dict[str, str]) -> str:
@@ -59,12 +61,6 @@ def _safe_target(request: Request, form: dict[str, str]) -> str:
     if not target.startswith(base + "/") or target.startswith("//") or "\\" in target:
         return base + "/"
     return target
-
-
-def _back(request: Request, form: dict[str, str], done: str) -> str:
-    """The page the form came from, with what was done."""
-    target = _safe_target(request, form)
-    return f"{target}{'&' if '?' in target else '?'}{urlencode({'done': done})}"
 
 
 def _key(form: dict[str, str]) -> str:

@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from delayq.browse import State
-from delayq.errors import DelayqError
 from delayq.queue import check_queue_name
 from delayq.web import _reads
 from delayq.web._render import Dashboard, json_response
@@ -143,7 +142,3 @@ async def topic(dash: Dashboard, request: Request) -> Response:
     if view.summary is None:
         return dash.error(request, 404, f"no topic {name!r}")
     return dash.render(request, "topic.html", topic=name, view=view)
-
-
-def bad_input(dash: Dashboard, request: Request, exc: DelayqError) -> Response:
-    return dash.error(request, 400, str(exc))

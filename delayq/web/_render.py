@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, unquote, urlencode
 
 import jinja2
 from starlette.requests import Request
@@ -75,15 +75,27 @@ class Dashboard:
             csrf=token,
             actions=self.actions,
             refresh_ms=int(self.refresh_s * 1000),
-            notice=request.query_params.get("done", ""),
+            notice=unquote(request.cookies.get(NOTICE, "")),
             **context,
         )
         response = HTMLResponse(html, status_code=status)
         _csrf.remember(request, response, token, base)
+        if NOTICE in request.cookies:  # shown once
+            response.delete_cookie(NOTICE, path=base or "/")
         return response
 
     def error(self, request: Request, status: int, message: str) -> Response:
         return self.render(request, "error.html", status=status, message=message)
+
+
+NOTICE = "delayq_done"
+"""The cookie that carries what an action did to the page it redirects to (a cookie, not the URL: a link
+cannot make the dashboard say something it did not do)."""
+
+
+def notice(response: Response, text: str, base: str) -> None:
+    """Have the next page say ``text`` (once)."""
+    response.set_cookie(NOTICE, quote(text), path=base or "/", max_age=60, httponly=True, samesite="strict")
 
 
 def base_path(request: Request) -> str:
