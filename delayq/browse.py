@@ -165,6 +165,16 @@ def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State
     return State.READY if due else State.SCHEDULED
 
 
+def arrival_marks(conn: sa.Connection, tables: Tables, queue: str, below: int) -> tuple[int, int | None, int]:
+    """A queue's live messages: how many, the highest id, and how many have an id at or below ``below``.
+
+    Two reads make a throughput (as ``delayq top`` and the dashboard show it): with ``below`` the first
+    read's highest id, the rows above it arrived since, and the first read's count minus the rows still at or
+    below it left (done, cancelled or dead-lettered). One statement; it reads every live message of the queue.
+    """
+    return _views.flow(conn, tables, queue, below)
+
+
 def database_now(conn: sa.Connection) -> dt.datetime:
     """The database's clock, which decides what is due (as ``stats()`` reads it)."""
     return from_ms(_views.database_now_ms(conn))

@@ -362,3 +362,22 @@ def test_the_counts_snapshot_is_read_once_for_every_viewer(engine: sa.Engine, qu
     assert len(reads) == 2
     view = snaps.latest().get(queue_name)
     assert view is not None and view.stats.ready == 2
+
+
+def test_the_charts_count_arrivals_and_departures_between_reads(engine: sa.Engine, queue_name: str) -> None:
+    from delayq.web._reads import Where, overview
+    from delayq.web._samples import Samples
+
+    q = DelayedQueue(engine, queue_name)
+    q.offer_many([(f"k-{i}", i, None) for i in range(4)])
+    now = [1000.0]
+    samples = Samples(every=1.0, clock=lambda: now[0])
+    where = Where(engine, "delayq_", None)
+    samples.add(overview(where, samples.below())[1])
+    q.offer_many([(f"n-{i}", i, None) for i in range(3)])  # 3 arrive
+    assert q.ack_many(q.try_poll_many(2)) == 2  # 2 leave
+    now[0] += 10.0
+    samples.add(overview(where, samples.below())[1])
+    series = samples.series(queue_name)
+    assert series["in_per_s"] == [[1010.0, 0.3]] and series["out_per_s"] == [[1010.0, 0.2]]
+    assert [v for _, v in series["backlog"]] == [4, 5]

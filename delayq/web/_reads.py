@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 
-from delayq.browse import State, StoredMessage, database_now, list_messages, queue_names
+from delayq.browse import State, StoredMessage, arrival_marks, database_now, list_messages, queue_names
 from delayq.cron import schedule_views
 from delayq.errors import SerializationMismatchError
 from delayq.humanize import human, shorten
@@ -68,6 +69,8 @@ class QueueView:
     name: str
     stats: QueueStats
     flow: FlowState
+    marks: tuple[int, int | None, int] | None = None
+    """``browse.arrival_marks`` of the queue (count, highest id, count at or below the last read's highest id)."""
 
     def as_dict(self) -> dict[str, Any]:
         s, f = self.stats, self.flow
@@ -100,14 +103,16 @@ def limits_text(f: FlowState) -> str:
     return ", ".join(parts) or "-"
 
 
-def overview(where: Where) -> tuple[dt.datetime, list[QueueView]]:
-    """The database's now and every queue's counts and flow settings (two reads a queue, one connection)."""
+def overview(where: Where, below: Mapping[str, int] | None = None) -> tuple[dt.datetime, list[QueueView]]:
+    """The database's now and every queue's counts and flow settings (two reads a queue, one connection);
+    with ``below`` (per queue, the highest id of the last read), its arrival marks too (a third read)."""
     with where.engine.connect() as conn:
         now = database_now(conn)
         views = []
         for name in queue_names(conn, where.tables):
             q = where.queue(name)
-            views.append(QueueView(name, q.stats(using=conn), q.flow(using=conn)))
+            marks = None if below is None else arrival_marks(conn, where.tables, name, below.get(name, 0))
+            views.append(QueueView(name, q.stats(using=conn), q.flow(using=conn), marks))
         conn.rollback()
     return now, views
 

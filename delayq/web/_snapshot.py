@@ -54,7 +54,8 @@ class Snapshots:
 
     @classmethod
     def of(cls, where: Where, max_age: float, samples: Samples) -> Snapshots:
-        return cls(where, max_age, samples, overview)
+        """Snapshots whose reads take the arrival marks the charts' throughput needs."""
+        return cls(where, max_age, samples, lambda w: overview(w, samples.below()))
 
     def latest(self) -> Snapshot:
         """The last snapshot (read now when there is none yet); a stale one starts a read in the background."""

@@ -4,26 +4,34 @@
 (function () {
   const refresh = Number(document.body.dataset.refresh) || 2000;
 
-  function sparkline(svg, points) {
-    // Draw [t, value] pairs as a polyline in a 120x28 box; the last value as text.
+  function sparkline(svg, series) {
+    // Draw each series of [t, value] pairs as a polyline in a 120x28 box, on one scale; the last value
+    // of the last series as text.
     while (svg.firstChild) svg.removeChild(svg.firstChild);
     const ns = "http://www.w3.org/2000/svg";
-    if (!points || points.length === 0) return;
-    const ts = points.map((p) => p[0]), vs = points.map((p) => Number(p[1]) || 0);
-    const t0 = Math.min(...ts), t1 = Math.max(...ts), top = Math.max(...vs, 1e-9);
-    const xy = points.map((p, i) => {
-      const x = t1 > t0 ? ((ts[i] - t0) / (t1 - t0)) * 88 : 88;
-      const y = 26 - (vs[i] / top) * 24;
-      return x.toFixed(1) + "," + y.toFixed(1);
+    const all = series.flat();
+    if (all.length === 0) return;
+    const t0 = Math.min(...all.map((p) => p[0])), t1 = Math.max(...all.map((p) => p[0]));
+    const top = Math.max(...all.map((p) => Number(p[1]) || 0), 1e-9);
+    series.forEach((points, n) => {
+      if (points.length === 0) return;
+      const xy = points.map((p) => {
+        const x = t1 > t0 ? ((p[0] - t0) / (t1 - t0)) * 88 : 88;
+        const y = 26 - ((Number(p[1]) || 0) / top) * 24;
+        return x.toFixed(1) + "," + y.toFixed(1);
+      });
+      const line = document.createElementNS(ns, "polyline");
+      line.setAttribute("points", xy.join(" "));
+      line.setAttribute("class", "s" + n);
+      svg.appendChild(line);
     });
-    const line = document.createElementNS(ns, "polyline");
-    line.setAttribute("points", xy.join(" "));
-    svg.appendChild(line);
+    const last = series[series.length - 1];
+    if (last.length === 0) return;
+    const value = Number(last[last.length - 1][1]) || 0;
     const label = document.createElementNS(ns, "text");
     label.setAttribute("x", "92");
     label.setAttribute("y", "18");
-    const last = vs[vs.length - 1];
-    label.textContent = last >= 100 ? String(Math.round(last)) : String(Math.round(last * 10) / 10);
+    label.textContent = value >= 100 ? String(Math.round(value)) : String(Math.round(value * 10) / 10);
     svg.appendChild(label);
   }
 
@@ -37,7 +45,9 @@
       el.hidden = !data[el.dataset.flag];
     });
     if (data.series) {
-      container.querySelectorAll("svg[data-chart]").forEach((svg) => sparkline(svg, data.series[svg.dataset.chart]));
+      container.querySelectorAll("svg[data-chart]").forEach((svg) => {
+        sparkline(svg, svg.dataset.chart.split(" ").map((name) => data.series[name] || []));
+      });
     }
   }
 
