@@ -49,6 +49,14 @@ class StoredMessage:
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
     claimed_at: dt.datetime | None = None
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+    id: int | None = None
+    """Its row's id (what the next page of ``list_messages`` starts after)."""
+
+    @property
+    def cursor(self) -> tuple[int, int, str]:
+        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id, key)."""
+        due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
+        return due, self.id or 0, self.key
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -109,8 +117,14 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
+    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue).
+
+    Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
+    so a page deep in a big queue costs what the first does)."""
     dead = state is State.DEAD
     rows = _views.list_rows(
         conn,
@@ -122,6 +136,8 @@ def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
+        key_order=by_key and not dead,
     )
     return [
         StoredMessage(
@@ -136,6 +152,7 @@ def list_messages(
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
+            id=int(r.id),
         )
         for r in rows
     ]
@@ -146,6 +163,16 @@ def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State
     if lock_token is not None:
         return State.EXPIRED_LOCK if due else State.IN_FLIGHT
     return State.READY if due else State.SCHEDULED
+
+
+def arrival_marks(conn: sa.Connection, tables: Tables, queue: str, below: int) -> tuple[int, int | None, int]:
+    """A queue's live messages: how many, the highest id, and how many have an id at or below ``below``.
+
+    Two reads make a throughput (as ``delayq top`` and the dashboard show it): with ``below`` the first
+    read's highest id, the rows above it arrived since, and the first read's count minus the rows still at or
+    below it left (done, cancelled or dead-lettered). One statement; it reads every live message of the queue.
+    """
+    return _views.flow(conn, tables, queue, below)
 
 
 def database_now(conn: sa.Connection) -> dt.datetime:

@@ -63,10 +63,22 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
     return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
 
 
-def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool) -> sa.Select[Any]:
+def _rows(
+    stmts: Statements,
+    dead: bool,
+    state: str | None,
+    by_prefix: bool,
+    by_key: bool,
+    paged: bool = False,
+    key_order: bool = False,
+) -> sa.Select[Any]:
+    """The listing's statement. Live messages go by due time, or, with ``key_order``, by key (under a key
+    prefix, a range of the (queue, key) index: the first page of a prefix costs its rows, not a walk of the
+    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor."""
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -77,9 +89,12 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
         ).order_by(t.c.id)
+        if paged:
+            stmt = stmt.where(t.c.id > _ms("after_id"))
     else:
         t = stmts.tables.messages
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -89,7 +104,7 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             sa.null().label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
-        ).order_by(t.c.scheduled_at, t.c.id)
+        )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
             "ready": sa.and_(due, ~locked),
@@ -99,6 +114,15 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
         }
         if state is not None:
             stmt = stmt.where(where[state])
+        if key_order:
+            stmt = stmt.order_by(t.c.key)
+            if paged:
+                stmt = stmt.where(t.c.key > sa.bindparam("after_key", type_=sa.String))
+        else:
+            stmt = stmt.order_by(t.c.scheduled_at, t.c.id)
+            if paged:  # (scheduled_at, id) after the cursor's, as a range the (queue, scheduled_at, id) index starts at
+                after_at, after_id = _ms("after_at"), _ms("after_id")
+                stmt = stmt.where(t.c.scheduled_at >= after_at, sa.or_(t.c.scheduled_at > after_at, t.c.id > after_id))
     stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
     if by_prefix:
         stmt = stmt.where(stmts.starts_with(t.c.key))
@@ -118,14 +142,22 @@ def list_rows(
     key_prefix: str | None,
     key: str | None,
     limit: int,
+    after: tuple[int, int, str] | None = None,
+    key_order: bool = False,
 ) -> Sequence[Row[Any]]:
-    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id. Columns: key, payload_type, payload, attempts, last_error,
-    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply)."""
+    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time (with
+    ``key_order``: by key); or, with ``dead``, its dead letters by id. Columns: id, key, payload_type,
+    payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token (NULL where they do
+    not apply).
+
+    ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
+    (only what the listing's order compares counts: the id of a dead letter, the key in key order)."""
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None)
+    shape = (dead, None if dead else state, bool(key_prefix), key is not None, after is not None, key_order)
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
+    if after is not None:
+        params.update(after_at=after[0], after_id=after[1], after_key=after[2])
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
     return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
