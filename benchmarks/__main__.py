@@ -41,6 +41,7 @@ from benchmarks import ceiling
 from benchmarks import flow as flow_bench
 from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
+from benchmarks import topic_pickup as topic_pickup_bench
 from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
@@ -807,6 +808,7 @@ def bench_backend(
     measure("worker no-op drain with metrics, 1 worker x 8 slots", metrics_drain)
     aio_bench.measure_all(engine, q, sizes, measure)  # delayq.aio beside the sync API
     topics_bench.measure_all(engine, sizes, measure)  # benchmarks/topics.py: topics beside their ceiling
+    topic_pickup_bench.measure_all(engine, sizes, measure)  # benchmarks/topic_pickup.py: NOTIFY on publish
     scale_figures = {
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
