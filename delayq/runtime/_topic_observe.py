@@ -27,6 +27,7 @@ class _Job(Protocol):
     @property
     def delivery(self) -> TopicDelivery: ...
 
+
 _lock = threading.Lock()
 _open: dict[int, tuple[list[tuple[observe.Observer, object]], float, list[BaseException | None]]] = {}
 
