@@ -871,6 +871,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peers-n", type=int, default=5000, help="messages per peers run")
     parser.add_argument(
+        "--topic-scale",
+        action="store_true",
+        help="200 idle topic subscribers (processes x threads) over 2,000 partitions (benchmarks/topic_scale.py)",
+    )
+    parser.add_argument(
         "--soak", type=int, nargs="?", const=1_000_000, help="one worker, 100 slots, this many messages (1,000,000)"
     )
     args = parser.parse_args(argv)
@@ -878,6 +883,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat:
         sizes.repeat = args.repeat
     figures: list[Figure] = []
+    if args.topic_scale:
+        from benchmarks import topic_scale
+
+        for backend in args.backends.split(","):
+            if backend.strip() in URLS:
+                topic_scale.main(["--url", URLS[backend.strip()], *(["--json", str(args.json)] if args.json else [])])
+        return 0
     if args.peers or args.soak:
         from benchmarks import peers as peers_bench
         from benchmarks import soak as soak_bench
