@@ -38,13 +38,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-PREFIX = "bench_"  # (benchmarks.topics's tables and topic: ``reset`` empties them and makes it anew)
-TOPIC = "bench"
+PREFIX = "bench_"
+"""The tables' prefix by default (``--prefix``): ``reset`` deletes the topic's rows and creates it anew."""
+TOPIC = "scale"
 GROUP = "scale"
 
 
 # -- a child process: N workers, a statement counter, commands on stdin -----------------------------------
-def child(url: str, n: int, lease: float, pool: int) -> None:
+def child(url: str, n: int, lease: float, pool: int, prefix: str = PREFIX) -> None:
     """Start ``n`` workers; answer ``count`` with the statements sent so far, ``stop`` by stopping them."""
     from delayq import TopicDelivery, TopicHandler, Worker
 
@@ -67,7 +68,7 @@ def child(url: str, n: int, lease: float, pool: int) -> None:
             pass
 
     workers = [
-        Worker(engine, [Idle()], concurrency=1, table_prefix=PREFIX, listen=False, stall_timeout=None) for _ in range(n)
+        Worker(engine, [Idle()], concurrency=1, table_prefix=prefix, listen=False, stall_timeout=None) for _ in range(n)
     ]
     for w in workers:
         w.start()
@@ -92,9 +93,9 @@ def child(url: str, n: int, lease: float, pool: int) -> None:
 class Child:
     """One child process of ``n`` workers."""
 
-    def __init__(self, url: str, n: int, lease: float, pool: int) -> None:
+    def __init__(self, url: str, n: int, lease: float, pool: int, prefix: str) -> None:
         args = [sys.executable, "-m", "benchmarks.topic_scale", "--child", str(n), "--url", url]
-        args += ["--lease", str(lease), "--pool", str(pool)]
+        args += ["--lease", str(lease), "--pool", str(pool), "--prefix", prefix]
         self.p = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -146,36 +147,50 @@ class Figures:
     """Subscribers -> statements per second per idle subscriber."""
     initial_settle_s: float | None = None
     leave_settle_s: float | None = None
+    leave_stopped_s: float | None = None
+    """Of ``leave_settle_s``, the time until the leaving process had stopped its workers and exited."""
     leave_rounds: int | None = None
     join_settle_s: float | None = None
     join_rounds: int | None = None
     load: str = ""
 
 
-def holdings(engine: sa.Engine) -> tuple[Counter[str], int]:
+def reset(engine: sa.Engine, partitions: int, prefix: str) -> None:
+    """Delete the scale topic's rows from every topic table, then create it with ``partitions``."""
+    from delayq import Topic
+    from delayq.schema import make_tables
+
+    t = make_tables(prefix).topics
+    with engine.begin() as conn:
+        for table in (t.subscribers, t.offsets, t.leases, t.deliveries, t.log, t.heads, t.topics):
+            conn.execute(sa.delete(table).where(table.c.topic.in_([TOPIC, f"{TOPIC}_dlq"])))
+    Topic(engine, TOPIC, table_prefix=prefix).create(partitions)
+
+
+def holdings(engine: sa.Engine, prefix: str) -> tuple[Counter[str], int]:
     """Per live lease holder, the partitions it holds; and the partition count."""
     from delayq.topics import group_lag
 
     now = dt.datetime.now(dt.UTC)
-    lag = group_lag(engine, TOPIC, GROUP, table_prefix=PREFIX)
+    lag = group_lag(engine, TOPIC, GROUP, table_prefix=prefix)
     held = Counter(p.holder for p in lag if p.holder and p.lease_expires_at and p.lease_expires_at > now)
     return held, len(lag)
 
 
-def is_settled(engine: sa.Engine, live: set[str]) -> bool:
+def is_settled(engine: sa.Engine, live: set[str], prefix: str) -> bool:
     """Every partition leased to a live subscriber, none holding more than ``ceil(partitions / live)``."""
-    held, partitions = holdings(engine)
+    held, partitions = holdings(engine, prefix)
     if not partitions or set(held) - live or sum(held.values()) != partitions:
         return False
     return max(held.values()) <= math.ceil(partitions / len(live))
 
 
-def wait_settled(engine: sa.Engine, live: set[str], limit: float) -> float:
+def wait_settled(engine: sa.Engine, live: set[str], limit: float, prefix: str) -> float:
     """Seconds until ``is_settled`` (checked every 0.2 s); raises past ``limit``."""
     start = time.monotonic()
-    while not is_settled(engine, live):
+    while not is_settled(engine, live, prefix):
         if time.monotonic() - start > limit:
-            held, partitions = holdings(engine)
+            held, partitions = holdings(engine, prefix)
             raise RuntimeError(
                 f"{len(live)} subscribers did not settle over {partitions} partitions within {limit:.0f} s "
                 f"(held {sum(held.values())}, most {max(held.values(), default=0)}, holders {len(held)})"
@@ -214,52 +229,53 @@ def run(
     sizes: tuple[int, ...] = (10, 50),
     pool: int = 5,
     limit: float = 300.0,
+    prefix: str = PREFIX,
     say: Any = print,
 ) -> Figures:
     """The whole scale run (see the module's docstring); the figures, or an error when something did not settle."""
-    from benchmarks.topics import reset
     from delayq import migrations
 
     engine = sa.create_engine(url, pool_size=2)
-    migrations.upgrade(url, prefix=PREFIX)
+    migrations.upgrade(url, prefix=prefix)
     figures = Figures(engine.dialect.name, partitions, lease)
     children: list[Child] = []
     try:
         for n in sizes:
-            reset(engine, partitions)
+            reset(engine, partitions, prefix)
             k = min(processes, n)
             base, extra = divmod(n, k)
             per = [base + 1] * extra + [base] * (k - extra)
-            children = [Child(url, k, lease, pool) for k in per]
+            children = [Child(url, k, lease, pool, prefix) for k in per]
             live = {name for c in children for name in c.names}
-            wait_settled(engine, live, limit)
+            wait_settled(engine, live, limit, prefix)
             figures.idle[n] = idle_rate(children, window)
             say(f"{figures.backend}: {n} idle subscribers: {figures.idle[n]:.2f} statements/s each")
             for c in children:
                 c.stop()
             children = []
-        reset(engine, partitions)
+        reset(engine, partitions, prefix)
         total = processes * per_process
         started = time.monotonic()  # from the processes' start (their imports included)
         base, extra = divmod(total - churn, processes)
-        children = [Child(url, base + (i < extra), lease, pool) for i in range(processes)]
-        churning = Child(url, churn, lease, pool)
+        children = [Child(url, base + (i < extra), lease, pool, prefix) for i in range(processes)]
+        churning = Child(url, churn, lease, pool, prefix)
         stay = {name for c in children for name in c.names}
-        wait_settled(engine, stay | set(churning.names), limit)
+        wait_settled(engine, stay | set(churning.names), limit, prefix)
         figures.initial_settle_s = time.monotonic() - started
         figures.idle[total] = idle_rate([*children, churning], window)
         say(f"{figures.backend}: {total} idle subscribers: {figures.idle[total]:.2f} statements/s each")
         period = lease / 3
         left = time.monotonic()  # from the stop asked (they leave the group as they stop)
         churning.stop()
-        wait_settled(engine, stay, limit)
+        figures.leave_stopped_s = time.monotonic() - left
+        wait_settled(engine, stay, limit, prefix)
         figures.leave_settle_s = time.monotonic() - left
-        figures.leave_rounds = max(1, math.ceil(figures.leave_settle_s / period))
+        figures.leave_rounds = max(1, math.ceil((figures.leave_settle_s - figures.leave_stopped_s) / period))
         say(f"{figures.backend}: {churn} of {total} leave: settled in {figures.leave_settle_s:.1f} s")
         joining = time.monotonic()  # from the process's start (its imports included)
-        churning = Child(url, churn, lease, pool)
+        churning = Child(url, churn, lease, pool, prefix)
         children.append(churning)
-        wait_settled(engine, stay | set(churning.names), limit)
+        wait_settled(engine, stay | set(churning.names), limit, prefix)
         figures.join_settle_s = time.monotonic() - joining
         figures.join_rounds = max(1, math.ceil(figures.join_settle_s / period))
         say(f"{figures.backend}: {churn} join {total - churn}: settled in {figures.join_settle_s:.1f} s")
@@ -282,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease", type=float, default=15.0, help="lease_duration in seconds (15)")
     parser.add_argument("--window", type=float, default=10.0, help="seconds each idle rate is measured over")
     parser.add_argument("--pool", type=int, default=5, help="connections per process (5, plus 2 overflow)")
+    parser.add_argument("--prefix", default=PREFIX, help=f"the tables' prefix ({PREFIX})")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.child is not None:
-        child(args.url, args.child, args.lease, args.pool)
+        child(args.url, args.child, args.lease, args.pool, args.prefix)
         return 0
     figures = run(
         args.url,
@@ -296,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         lease=args.lease,
         window=args.window,
         pool=args.pool,
+        prefix=args.prefix,
     )
     print(json.dumps({**asdict(figures), "statements": KINDS}, indent=2))
     if args.json:

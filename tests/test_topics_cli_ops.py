@@ -31,7 +31,9 @@ def test_create_publish_and_collect(backend: Backend) -> None:
     one_line_error(cli(backend, "create", name, "--partitions", "4"), "exists with 3 partitions, not 4")
 
     out = cli(backend, "publish", name, "customer-1", '{"total": 12}', "--id", "order-1")
-    assert out.exit_code == 0 and out.output == f"{name}[{partition_for('customer-1', 3)}] customer-1 order-1: created\n"
+    assert (
+        out.exit_code == 0 and out.output == f"{name}[{partition_for('customer-1', 3)}] customer-1 order-1: created\n"
+    )
     dup = cli(backend, "publish", name, "customer-1", '{"total": 12}', "--id", "order-1")
     assert dup.output.endswith("order-1: ignored\n")
     piped = cli(backend, "publish", name, "customer-2", "-", input='"from stdin"')
