@@ -355,3 +355,50 @@ def test_top_shows_topics_with_their_groups_lag_and_rates(engine: sa.Engine, top
     text = out.export_text()
     assert "topics" in text and topic_name in text and "billing" in text
     assert Top(engine, only=["some-queue"]).snapshot().topics == []
+
+
+def test_the_async_worker_collects_garbage_and_counts_topic_metrics(
+    backend: Backend, topic_name: str, clock: ManualClock
+) -> None:
+    import asyncio
+
+    from conftest import make_async_engine
+
+    from delayq.aio import AsyncWorker
+
+    registry = CollectorRegistry()
+    metrics = register(registry)
+    seen: list[str] = []
+
+    async def handle(self: TopicHandler, d: TopicDelivery, conn: Any = None) -> None:
+        seen.append(d.message_id)
+
+    cls = type("Collecting", (TopicHandler,), {"topic": topic_name, "group": "g", "handle": handle})
+    cls.lease_duration = 3 * SECOND
+    topic = Topic(backend.engine, topic_name, clock=clock)
+    topic.create(2)
+    topic.publish_many([(f"k{i}", f"m{i}", i) for i in range(6)])
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        worker = AsyncWorker(engine, [cls()], clock=clock, poll_interval=0.05 * SECOND, listen=False)
+        worker._core.topic_gc.interval = 0.05
+        worker.start()
+        try:
+            deadline = time.monotonic() + 30
+            while sum(map(len, offsets_left(backend.engine, topic_name).values())) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert worker.health().loops["topics-gc"]
+        finally:
+            assert await worker.stop()
+            await engine.dispose()
+
+    try:
+        asyncio.run(main())
+        got = topic_samples(generate_latest(registry).decode(), topic_name)
+    finally:
+        unregister(metrics, registry)
+    assert sorted(seen) == [f"m{i}" for i in range(6)]
+    assert offsets_left(backend.engine, topic_name) == {}  # every message done by the one group: collected
+    assert got["delayq_topic_delivered_total{group=g}"] == 6 and got["delayq_topic_acked_total{group=g}"] == 6
+    assert got["delayq_topic_collected_total"] == 6

@@ -148,6 +148,7 @@ class Core:
             table_prefix=table_prefix,
             schema=schema,
             backoff=backoff,
+            clock=clock,
         )
         """The garbage collector of the topics read (empty without topic handlers, or where none collects)."""
         self.jobs = Jobs(clock)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy.engine import Engine
 
 from delayq import observe
+from delayq.clock import Clock
 from delayq.runtime._jobs import describe
 from delayq.topics._context import TopicContext
 from delayq.topics._gc import BATCH, Collected, check_retention, collect
@@ -45,6 +46,7 @@ class TopicCollector:
         table_prefix: str,
         schema: str | None,
         backoff: Callable[[int], float],
+        clock: Clock | None = None,
         interval: float = INTERVAL,
     ) -> None:
         keep: dict[str, dt.timedelta] = {}
@@ -54,7 +56,7 @@ class TopicCollector:
                 keep[h.topic] = max(keep.get(h.topic, dt.timedelta(0)), h.keep_for)
         self.keep_for = keep
         """Per topic collected, the age below which its messages are kept."""
-        self.ctx = TopicContext(engine, clock=None, table_prefix=table_prefix, schema=schema, owner="Worker")
+        self.ctx = TopicContext(engine, clock=clock, table_prefix=table_prefix, schema=schema, owner="Worker")
         self.interval = interval
         self._backoff = backoff
         self._errors = 0
