@@ -53,6 +53,11 @@ def test_create_publish_and_collect(backend: Backend) -> None:
     everything = cli(backend, "gc", "--keep-for", "1h")
     assert everything.exit_code == 0 and f"{name}: 0 message(s) collected" in everything.output
 
+    longest = "x" * 90 + uuid.uuid4().hex[:6]  # 96 characters: its dead-letter topic's name has 100
+    Topic(backend.engine, longest).create(1)
+    dlq = cli(backend, "gc", f"{longest}_dlq")
+    assert dlq.exit_code == 0 and dlq.output == f"{longest}_dlq: 0 message(s) collected\n"
+
     groups = json.loads(cli(backend, "groups", "ls", name, "--json").output)
     assert [(g["group"], g["lag"], g["subscribers"]) for g in groups] == [("billing", 0, 0)]
 

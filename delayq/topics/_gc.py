@@ -27,7 +27,6 @@ from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError
 from delayq.schema import TopicTables
 from delayq.topics._context import TopicContext
-from delayq.topics.names import check_topic
 
 BATCH = 1000
 """Messages deleted per transaction at most, by default."""
@@ -94,8 +93,8 @@ def collect(
     max_batches: int | None = None,
 ) -> Collected:
     """Collect ``topic``'s log: every collectable partition, ``batch`` messages per transaction, until none
-    is left or ``max_batches`` transactions ran (None: no bound). Never waits for a row lock."""
-    check_topic(topic)
+    is left or ``max_batches`` transactions ran (None: no bound). Never waits for a row lock. ``topic`` is
+    any topic in the database (a dead-letter topic's name may be longer than ``Topic`` accepts)."""
     check_retention(keep_for, batch)
 
     def find(conn: Connection, dialect: Dialect) -> list[int]:

@@ -17,6 +17,7 @@ from delayq.cli._root import parse_duration
 from delayq.humanize import human
 from delayq.schema import make_tables
 from delayq.topics import _gc
+from delayq.topics._context import TopicContext
 from delayq.topics.names import check_topic, partition_for
 from delayq.topics.topic import Topic
 from delayq.topics.views import group_lag, list_groups, list_topics
@@ -118,10 +119,10 @@ def topics_gc(
         if unknown:
             raise Fail(f"no topic named {unknown[0]!r} (topics: {', '.join(known) or 'none yet'})")
         conn.rollback()
+        # (not through ``Topic``: a dead-letter topic's name may be longer than a topic's own)
+        where = TopicContext(engine, clock=None, table_prefix=ctx.obj["prefix"])
         for name in names or known:
-            done = _gc.collect(
-                _topic(engine, ctx, name).ctx, name, keep_for=keep_for, batch=batch, max_batches=max_batches
-            )
+            done = _gc.collect(where, name, keep_for=keep_for, batch=batch, max_batches=max_batches)
             passed = f" ({done.skipped} partition(s) held by another collector or a publisher: later)" * bool(
                 done.skipped
             )
