@@ -42,6 +42,7 @@ from benchmarks import ceiling
 from benchmarks import flow as flow_bench
 from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
+from benchmarks import topic_pickup as topic_pickup_bench
 from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
@@ -808,6 +809,7 @@ def bench_backend(
     measure("worker no-op drain with metrics, 1 worker x 8 slots", metrics_drain)
     aio_bench.measure_all(engine, q, sizes, measure)  # delayq.aio beside the sync API
     topics_bench.measure_all(engine, sizes, measure)  # benchmarks/topics.py: topics beside their ceiling
+    topic_pickup_bench.measure_all(engine, sizes, measure)  # benchmarks/topic_pickup.py: NOTIFY on publish
     scale_figures = {
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
@@ -870,6 +872,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peers-n", type=int, default=5000, help="messages per peers run")
     parser.add_argument(
+        "--topic-scale",
+        action="store_true",
+        help="200 idle topic subscribers (processes x threads) over 2,000 partitions (benchmarks/topic_scale.py)",
+    )
+    parser.add_argument(
         "--soak", type=int, nargs="?", const=1_000_000, help="one worker, 100 slots, this many messages (1,000,000)"
     )
     parser.add_argument(
@@ -888,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
             loads = web_bench.run(make_engine(backend, Path(tmp)), PREFIX, args.web)
         if args.json:
             args.json.write_text(json.dumps([asdict(load) for load in loads], indent=2))
+        return 0
+    if args.topic_scale:
+        from benchmarks import topic_scale
+
+        for backend in args.backends.split(","):
+            if backend.strip() in URLS:
+                topic_scale.main(["--url", URLS[backend.strip()], *(["--json", str(args.json)] if args.json else [])])
         return 0
     if args.peers or args.soak:
         from benchmarks import peers as peers_bench

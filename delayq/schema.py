@@ -269,6 +269,7 @@ def make_topic_tables(prefix: str, md: sa.MetaData) -> TopicTables:
         sa.Column("failed_at", sa.BigInteger, nullable=True),
         sa.Column("failure_count", sa.Integer, nullable=True),
         sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("headers", sa.Text, nullable=True),  # (delayq_0009) a JSON object: the publish's trace context
         sa.UniqueConstraint("topic", "partition_key", "message_id", name=f"{prefix}topic_log_id_uq"),
         **TABLE_OPTIONS,
     )

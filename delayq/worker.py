@@ -220,6 +220,8 @@ class Worker:
             self._loops["listen"] = threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True)
         if self._topics:
             self._loops["topics"] = self._topics.loop(self._wake.set)
+        if core.topic_gc:
+            self._loops["topics-gc"] = core.topic_gc.loop(self._stopping)
         for name, t in self._loops.items():
             if name != "fetch":
                 t.start()
@@ -350,12 +352,12 @@ class Worker:
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
         dialect, errors = dialect_for(self.engine), 0
-        queues = self._core.queue_sources
+        wakes = self._core.wakes
         while not self._stopped.is_set():
             try:
-                for queue_name in dialect.listen(self.engine, self._core.channel, self._stopped):
+                for name in dialect.listen(self.engine, self._core.channel, self._stopped):
                     errors = 0
-                    if queue_name in queues:
+                    if wakes(name):
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
@@ -406,6 +408,9 @@ class Worker:
         if running:
             core.warn_kept(running)
         self._topics.stop()  # leaves the groups (partitions move at once), but keeps the partitions still in use
+        gc = self._loops.get("topics-gc")
+        if gc is not None and gc.ident is not None:
+            gc.join(timeout=5.0)  # a round is bounded; it ends between two transactions
         core.flush_acks()
         core.forget_unacked()
         if self._pool is not None:

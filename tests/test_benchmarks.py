@@ -31,7 +31,7 @@ def test_quick_benchmarks_run_and_lose_nothing(backend_urls: dict[str, str], tmp
     assert {f["backend"] for f in figures} == {"sqlite", "postgresql", "mysql"}
     assert all(f["delayq"] > 0 for f in figures)
     topics = {(f["backend"], f["scenario"]) for f in figures if f["scenario"].startswith("topics: ")}
-    assert len(topics) == 7 * 3, sorted(topics)  # benchmarks/topics.py: every topic scenario on every backend
+    assert len(topics) == 8 * 3, sorted(topics)  # benchmarks/topics.py and topic_pickup.py: every backend
 
 
 def _run(args: list[str], backend_urls: dict[str, str]) -> subprocess.CompletedProcess[str]:

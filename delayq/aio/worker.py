@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import inspect
 import logging
+import random
 import signal
 import threading
 import time
@@ -47,6 +48,7 @@ from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
+from delayq.runtime import _topic_observe as topic_observe
 from delayq.runtime._core import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Core, WorkerHealth, backoff, exit_now
 from delayq.runtime._jobs import Job, describe, overdue
 from delayq.runtime._sources import QueueSource
@@ -291,6 +293,8 @@ class AsyncWorker:
             self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
         if self._topics:
             self._loop_tasks["topics"] = asyncio.create_task(self._topics_task())
+        if core.topic_gc:
+            self._loop_tasks["topics-gc"] = asyncio.create_task(self._topic_gc_task())
         schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
         log.info("async %s", core.started_line())
         cancelled = False
@@ -368,6 +372,22 @@ class AsyncWorker:
                 log.warning("topics: %s", describe(exc))
             await asyncio.sleep(TOPICS_TICK)
 
+    async def _topic_gc_task(self) -> None:
+        """The worker's topic garbage collection, as the threaded worker's thread (``TopicCollector``): a
+        round in a greenlet, then a wait; it ends with the topics task."""
+        collector = self._core.topic_gc
+        wait = min(collector.interval, 1.0) * random.random()
+        while not self._topics_end:
+            if wait > 0:
+                await asyncio.sleep(min(wait, 0.5))
+                wait -= 0.5
+                continue
+            try:
+                wait = await self._call(collector.next_wait)
+            except Exception as exc:  # (a stalled call) the next round tries again
+                log.warning("topic garbage collection: %s", describe(exc))
+                wait = collector.interval
+
     async def _stop_topics_task(self) -> None:
         """End the topics task between two rounds (cancelled inside one, its transaction would stay open on a
         connection nobody returns); a round stuck for 10 s is cancelled all the same."""
@@ -375,8 +395,11 @@ class AsyncWorker:
         if task is None or task.done():
             return
         self._topics_end = True
-        await asyncio.wait([task], timeout=10.0)
+        gc = self._loop_tasks.get("topics-gc")
+        await asyncio.wait([task] if gc is None else [task, gc], timeout=10.0)
         task.cancel()
+        if gc is not None:
+            gc.cancel()
 
     def _maintain_topics(self) -> None:
         for c in self._topics.consumers:
@@ -434,12 +457,12 @@ class AsyncWorker:
 
     async def _listen_task(self) -> None:
         errors = 0
-        queues = self._core.queue_sources
+        wakes = self._core.wakes
         while True:
             try:
-                async for queue_name in dialect_for(self.engine).listen_async(self.async_engine, self._core.channel):
+                async for name in dialect_for(self.engine).listen_async(self.async_engine, self._core.channel):
                     errors = 0
-                    if queue_name in queues:
+                    if wakes(name):
                         self._poke()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
@@ -602,6 +625,7 @@ class AsyncWorker:
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
                 error = exc
             if handler.transactional and error is None:
+                topic_observe.outcome(consumer, job, "acked", None)
                 await self._bounded(consumer.forget, job, done)  # acked in its transaction
             else:
                 await self._bounded(consumer.finish, job, error, done)
@@ -654,6 +678,7 @@ class AsyncWorker:
         try:
             await greenlet_spawn(consumer.sub.handle_exactly_once, job.delivery, in_transaction)
         except LeaseLostError:
+            topic_observe.outcome(consumer, job, "lease_lost", None)
             log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
             return False
         except Exception as exc:

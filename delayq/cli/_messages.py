@@ -11,7 +11,17 @@ from typing import Any
 import click
 
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
-from delayq.cli._common import STATE_COLOURS, Fail, _cell, connect, emit, friendly, json_value, relative
+from delayq.cli._common import (
+    STATE_COLOURS,
+    Fail,
+    _cell,
+    connect,
+    emit,
+    friendly,
+    json_value,
+    read_payload,
+    relative,
+)
 from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
 from delayq.humanize import human, shorten
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
@@ -262,22 +272,6 @@ def enqueue(
         q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
         outcome = q.offer(key, value, at, update=update, priority=priority, group=group)
     click.echo(f"{queue} {key}: {outcome.value}")
-
-
-def read_payload(arg: str) -> tuple[str, str]:
-    """The payload's text and what to call it in errors: ``-`` reads stdin, ``@path`` a file, else ``arg``."""
-    if arg == "-":
-        return sys.stdin.read(), "stdin"
-    if arg.startswith("@"):
-        path = arg[1:]
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read(), path
-        except OSError as exc:
-            raise Fail(f"cannot read the payload file {path}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return arg, "PAYLOAD"
 
 
 def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:

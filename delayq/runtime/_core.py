@@ -43,8 +43,11 @@ from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.runtime._jobs import Job, Jobs, describe, overdue
 from delayq.runtime._sources import QueueSource, StartQueueJob
+from delayq.runtime._topic_gc import TopicCollector
 from delayq.runtime._topics import Start as StartTopicJob
 from delayq.runtime._topics import TopicConsumer, TopicConsumers, TopicJob
+from delayq.schema import make_tables
+from delayq.topics import _wake as topic_wake
 from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
 
@@ -144,6 +147,15 @@ class Core:
             schema=schema,
             backoff=backoff,
         )
+        self.topic_gc = TopicCollector(
+            engine,
+            [h for h in self.handlers if isinstance(h, TopicHandler)],
+            table_prefix=table_prefix,
+            schema=schema,
+            backoff=backoff,
+            clock=clock,
+        )
+        """The garbage collector of the topics read (empty without topic handlers, or where none collects)."""
         self.jobs = Jobs(clock)
         queue_handlers = [h for h in self.handlers if not isinstance(h, TopicHandler)]
         self.queue_sources: dict[str, QueueSource] = {}
@@ -168,8 +180,10 @@ class Core:
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
         self.schedules = ScheduleRunner(self.queues, schedules_for(queue_handlers))
-        self.channel = next((s.queue.tables.messages.name for s in self.queue_sources.values()), "")  # "": no queues
-        self.listens = listen and bool(self.channel) and dialect_for(engine).can_notify
+        self.channel = make_tables(table_prefix, schema).messages.name
+        """The LISTEN channel: queue offers notify their queue's name, topic publishes ``topic:{name}``."""
+        self._wakers = set(self.queue_sources) | {topic_wake.payload(c.sub.topic) for c in self.topics.consumers}
+        self.listens = listen and dialect_for(engine).can_notify
         self.stall_timeout = None if stall_timeout is None else stall_timeout.total_seconds()
         self.stopping = threading.Event()
         """Set: no new claims (a stop was asked)."""
@@ -183,6 +197,10 @@ class Core:
         """Whether a claim of one costs fewer round trips than a batch (PostgreSQL: one autocommitted
         statement, against BEGIN + SET LOCAL, the claim, COMMIT): then an idle worker claims one first."""
         self._idle = True  # the last fetch started nothing
+
+    def wakes(self, payload: str) -> bool:
+        """Whether a notification's payload names one of this worker's queues or topics."""
+        return payload in self._wakers
 
     @property
     def queues(self) -> Sequence[DelayedQueue]:
