@@ -293,6 +293,7 @@ class AsyncWorker:
             self._loop_tasks["topics"] = asyncio.create_task(self._topics_task())
         schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
         log.info("async %s", core.started_line())
+        await self._registry(core.register)
         cancelled = False
         try:
             await self._fetch_task()
@@ -481,6 +482,7 @@ class AsyncWorker:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(kept), name="delayq-keeper")
         else:
             core.forget_unacked()
+        await self._registry(core.deregister)
         log.info("async worker stopped")
 
     async def _keep(self, consumers: list[TopicConsumer]) -> None:
@@ -752,6 +754,13 @@ class AsyncWorker:
             await self._call(fn, *args)
         except TimeoutError as exc:
             log.warning("could not record an outcome (%s); the message returns after its lock expires", exc)
+
+    async def _registry(self, step: Callable[[], None]) -> None:
+        """A worker registry step (it logs its own failures); a stalled call is given up (logged)."""
+        try:
+            await self._call(step)
+        except Exception as exc:
+            log.warning("worker registry: %s", describe(exc))
 
     async def _pause(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a wake-up (a handler ended, a notification, a stop) ends it early."""
