@@ -208,7 +208,7 @@ class WorkerInfo:
 
     @property
     def state(self) -> str:
-        """"running", "stopped" (a clean stop) or "gone" (no heartbeat for ``GONE_AFTER``)."""
+        """ "running", "stopped" (a clean stop) or "gone" (no heartbeat for ``GONE_AFTER``)."""
         if self.stopped_at is not None:
             return "stopped"
         return "gone" if self.now - self.heartbeat_at > GONE_AFTER else "running"

@@ -233,9 +233,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Index(f"{prefix}workers_heartbeat_ix", "heartbeat_at"),
         **TABLE_OPTIONS,
     )
-    return Tables(
-        md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers
-    )
+    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers)
 
 
 MAX_TOPIC_LENGTH = 100

@@ -41,12 +41,12 @@ from delayq.errors import InvalidInputError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
-from delayq.schema import make_tables
 from delayq.runtime._jobs import Job, Jobs, describe, overdue
 from delayq.runtime._registry import Registry, topic_labels
 from delayq.runtime._sources import QueueSource, StartQueueJob
 from delayq.runtime._topics import Start as StartTopicJob
 from delayq.runtime._topics import TopicConsumer, TopicConsumers, TopicJob
+from delayq.schema import make_tables
 from delayq.topics.handler import TopicHandler
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
 

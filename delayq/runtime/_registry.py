@@ -37,6 +37,7 @@ BEAT = 10.0
 """Seconds between a worker's registry heartbeats."""
 FORGET_AFTER = dt.timedelta(hours=1)
 """Rows whose heartbeat is older than this are deleted (by any running worker)."""
+FORGET_AFTER_MS = duration_ms(FORGET_AFTER)
 FORGET_EVERY = 6
 """Every this many beats (a minute), a worker deletes forgotten rows."""
 FORGET_BATCH = 100
@@ -99,7 +100,7 @@ class Registry:
             if not self._inserted or not _workers.beat(conn, self.tables, self.id, in_use, handled, self._now()):
                 self._insert(conn, in_use, handled)
             if forget:
-                gone = _workers.forget(conn, self.tables, duration_ms(FORGET_AFTER, "FORGET_AFTER"), FORGET_BATCH, self._now())
+                gone = _workers.forget(conn, self.tables, FORGET_AFTER_MS, FORGET_BATCH, self._now())
                 if gone:
                     log.info("worker registry: %d row(s) of workers gone for %s deleted", gone, FORGET_AFTER)
 
