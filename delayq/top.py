@@ -2,7 +2,8 @@
 
 Each refresh reads, per queue, ``stats()`` and how many messages arrived and left since the last
 refresh (by id: rows above the last highest id arrived; rows at or below it that are gone left, acked,
-cancelled or dead-lettered), and the most recent failures with the end of their traceback. All reads;
+cancelled or dead-lettered), the most recent failures with the end of their traceback, and the worker
+registry (one line: workers running, slots in use, gone). All reads;
 nothing is written.
 """
 
@@ -20,7 +21,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from delayq.browse import database_now, queue_names
+from delayq.browse import WorkerInfo, database_now, list_workers, queue_names
 from delayq.clock import to_ms
 from delayq.history import parse
 from delayq.humanize import human
@@ -69,6 +70,8 @@ class Snapshot:
     taken_at: dt.datetime
     queues: list[QueueRow]
     failures: list[Failure] = field(default_factory=list)
+    workers: list[WorkerInfo] = field(default_factory=list)
+    """The worker registry's rows (``delayq.browse.list_workers``)."""
 
 
 class Top:
@@ -97,8 +100,9 @@ class Top:
                 arrived, left = self._flow(conn, name)
                 rows.append(QueueRow(name, stats, arrived, left, longest.get(name), paused))
             failures = self._failures(conn, names)
+            workers = list_workers(conn, self.tables)
             conn.rollback()
-        return Snapshot(now, rows, failures)
+        return Snapshot(now, rows, failures, workers)
 
     def _flow(self, conn: sa.Connection, name: str) -> tuple[float | None, float | None]:
         mark = self._marks.get(name)
@@ -177,6 +181,8 @@ def render(snap: Snapshot) -> RenderableType:
     if not snap.queues:
         table.add_row("(no queues yet)", *[""] * 9)
     parts: list[RenderableType] = [table]
+    if snap.workers:
+        parts.append(workers_line(snap.workers))
     if snap.failures:
         lines: list[RenderableType] = []
         for f in snap.failures:
@@ -188,6 +194,17 @@ def render(snap: Snapshot) -> RenderableType:
             lines += [Text(f"    {line}", style="dim") for line in f.traceback_tail]
         parts.append(Panel(Group(*lines), title="recent failures", border_style="red"))
     return Group(*parts)
+
+
+def workers_line(workers: list[WorkerInfo]) -> Text:
+    """One line on the workers: how many run, their slots in use, how many are gone."""
+    running = [w for w in workers if w.state == "running"]
+    gone = sum(w.state == "gone" for w in workers)
+    used, slots = sum(w.slots_in_use for w in running), sum(w.slots for w in running)
+    line = Text.assemble(("workers ", "bold"), f"{len(running)} running, {used}/{slots} slots in use")
+    if gone:
+        line.append(f", {gone} gone (no heartbeat for a minute)", style="bold red")
+    return line
 
 
 def run(
