@@ -48,7 +48,7 @@ def _beat(stmts: Statements) -> sa.Update:
     w = stmts.tables.workers
     return (
         sa.update(w)
-        .where(w.c.id == _bp("worker_id", sa.String))
+        .where(w.c.id == _bp("worker_id", sa.String), w.c.stopped_at.is_(None))
         .values(heartbeat_at=stmts.now, slots_in_use=_bp("slots_in_use", sa.Integer), handled=_bp("handled"))
     )
 
@@ -91,7 +91,8 @@ def insert(conn: Connection, tables: Tables, row: Mapping[str, Any], now: int | 
 
 
 def beat(conn: Connection, tables: Tables, worker_id: str, in_use: int, handled: int, now: int | None) -> bool:
-    """A worker's heartbeat; False when its row is gone (deleted as long gone while the worker froze)."""
+    """A worker's heartbeat; False when its row is not there (its insert failed, or it was deleted as long gone
+    while the worker froze) or is marked stopped."""
     params: dict[str, Any] = {"worker_id": worker_id, "slots_in_use": in_use, "handled": handled}
     if now is not None:
         params["now"] = now

@@ -77,16 +77,16 @@ class Registry:
             "slots": slots,
         }
         self._active = False  # between start and stop: beats go out
-        self._inserted = False  # the row is in (as far as this worker knows)
         self._next = 0.0  # monotonic: no beat before
         self._beats = 0
         self._failures = 0  # in a row
 
     def start(self, in_use: int, handled: int) -> None:
         """Insert the row (a failure is logged; the next beat tries again)."""
-        self._active, self._beats = True, 0
-        self._inserted = self._run("register", lambda c: self._insert(c, in_use, handled))
+        self._beats = 0
+        self._run("register", lambda c: self._insert(c, in_use, handled))
         self._next = time.monotonic() + BEAT
+        self._active = True  # (only now: a beat meanwhile would insert the row too)
 
     def beat(self, in_use: int, handled: int) -> None:
         """Every ``BEAT`` seconds: update the row (insert it again if it went), now and then forget old rows."""
@@ -97,26 +97,25 @@ class Registry:
         forget = self._beats % FORGET_EVERY == 0
 
         def step(conn: Connection) -> None:
-            if not self._inserted or not _workers.beat(conn, self.tables, self.id, in_use, handled, self._now()):
+            # (update first: the insert may have failed, or committed though its reply was lost)
+            if not _workers.beat(conn, self.tables, self.id, in_use, handled, self._now()) and self._active:
                 self._insert(conn, in_use, handled)
             if forget:
                 gone = _workers.forget(conn, self.tables, FORGET_AFTER_MS, FORGET_BATCH, self._now())
                 if gone:
                     log.info("worker registry: %d row(s) of workers gone for %s deleted", gone, FORGET_AFTER)
 
-        self._inserted = self._run("heartbeat", step) or self._inserted
+        self._run("heartbeat", step)
 
     def stop(self, handled: int) -> None:
         """Mark the row stopped (a clean stop); no beat from here on."""
         if not self._active:
             return
         self._active = False
-        if self._inserted:
-            self._run("stop", lambda c: _workers.stop(c, self.tables, self.id, handled, self._now()))
+        self._run("stop", lambda c: _workers.stop(c, self.tables, self.id, handled, self._now()))
 
     def _insert(self, conn: Connection, in_use: int, handled: int) -> None:
         _workers.insert(conn, self.tables, {**self._row, "slots_in_use": in_use, "handled": handled}, self._now())
-        self._inserted = True
 
     def _now(self) -> int | None:
         return None if self.clock is None else to_ms(self.clock.now())
