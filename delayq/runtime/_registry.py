@@ -49,8 +49,9 @@ WARN_EVERY = 30
 
 
 class Registry:
-    """One worker's row in the registry (see the module's docstring). Thread-safe as the core's beat is: one
-    loop calls ``beat``; ``start`` and ``stop`` come from the driver before and after that loop."""
+    """One worker's row in the registry (see the module's docstring). One loop calls ``beat`` (the heartbeat's);
+    ``start`` comes before it beats, ``stop`` may come while a beat runs: that beat's UPDATE leaves a stopped row
+    as it is (it matches running rows only), and no beat inserts the row again once stopped."""
 
     def __init__(
         self,
