@@ -96,6 +96,7 @@ def _pages(base: str, client: object, total: int) -> list[tuple[str, str]]:
         ("messages, key prefix", f"/queue?queue={QUEUE}&prefix=order/0050"),
         ("message", f"/message?queue={QUEUE}&key=order/{total // 2:08d}"),
         ("dead letters", f"/dead?queue={QUEUE}"),
+        ("workers (HTML)", "/workers"),
     ]
 
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from delayq.clock import from_ms, to_ms
 from delayq.history import AttemptRecord, parse
-from delayq.queue import _views, claimed_at
+from delayq.queue import _views, _workers, claimed_at
 from delayq.schema import Tables
 
 
@@ -173,6 +173,103 @@ def arrival_marks(conn: sa.Connection, tables: Tables, queue: str, below: int) -
     below it left (done, cancelled or dead-lettered). One statement; it reads every live message of the queue.
     """
     return _views.flow(conn, tables, queue, below)
+
+
+GONE_AFTER = dt.timedelta(seconds=60)
+"""A worker whose last heartbeat is older than this, and that did not stop cleanly, is gone (crashed, killed,
+frozen or cut off): its row stays for an hour, then a running worker deletes it. Workers beat every 10 s."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker (``Worker`` or ``AsyncWorker``) as its row in the worker registry says, at ``now``."""
+
+    id: str
+    name: str
+    """Its name (``host:pid:random``): what its topic handlers' subscriber names and its log lines carry."""
+    host: str
+    pid: int
+    driver: str
+    """"threads" (``Worker``) or "asyncio" (``AsyncWorker``)."""
+    queues: tuple[str, ...]
+    topics: tuple[str, ...]
+    """Its topic handlers, as ``topic/group``."""
+    slots: int
+    """Its concurrency."""
+    slots_in_use: int
+    """Slots taken at its last heartbeat."""
+    handled: int
+    """Deliveries it finished, as of its last heartbeat."""
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime
+    stopped_at: dt.datetime | None
+    now: dt.datetime
+    """The database's clock when the row was read."""
+
+    @property
+    def state(self) -> str:
+        """ "running", "stopped" (a clean stop) or "gone" (no heartbeat for ``GONE_AFTER``)."""
+        if self.stopped_at is not None:
+            return "stopped"
+        return "gone" if self.now - self.heartbeat_at > GONE_AFTER else "running"
+
+    @property
+    def since(self) -> dt.timedelta:
+        """How long it has run (until its stop, or its last heartbeat when gone)."""
+        end = self.now if self.state == "running" else self.heartbeat_at
+        return max(end - self.started_at, dt.timedelta(0))
+
+    @property
+    def last_heartbeat(self) -> dt.timedelta:
+        """How long ago its last heartbeat was."""
+        return max(self.now - self.heartbeat_at, dt.timedelta(0))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "host": self.host,
+            "pid": self.pid,
+            "driver": self.driver,
+            "queues": list(self.queues),
+            "topics": list(self.topics),
+            "slots": self.slots,
+            "slots_in_use": self.slots_in_use,
+            "handled": self.handled,
+            "state": self.state,
+            "started_at": self.started_at.isoformat(),
+            "heartbeat_at": self.heartbeat_at.isoformat(),
+            "stopped_at": None if self.stopped_at is None else self.stopped_at.isoformat(),
+            "since_seconds": self.since.total_seconds(),
+            "heartbeat_seconds": self.last_heartbeat.total_seconds(),
+        }
+
+
+def list_workers(conn: sa.Connection, tables: Tables) -> list[WorkerInfo]:
+    """The workers in the worker registry (running, stopped and gone ones from the last hour), oldest first.
+
+    One statement (two when the registry is empty). See docs/operations.md "Workers"."""
+    rows, now_ms = _workers.rows(conn, tables)
+    now = from_ms(now_ms)
+    return [
+        WorkerInfo(
+            id=r.id,
+            name=r.name,
+            host=r.host,
+            pid=int(r.pid),
+            driver=r.driver,
+            queues=tuple(json.loads(r.queues)),
+            topics=tuple(json.loads(r.topics)),
+            slots=int(r.slots),
+            slots_in_use=int(r.slots_in_use),
+            handled=int(r.handled),
+            started_at=from_ms(r.started_at),
+            heartbeat_at=from_ms(r.heartbeat_at),
+            stopped_at=None if r.stopped_at is None else from_ms(r.stopped_at),
+            now=now,
+        )
+        for r in rows
+    ]
 
 
 def database_now(conn: sa.Connection) -> dt.datetime:

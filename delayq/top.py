@@ -2,10 +2,10 @@
 
 Each refresh reads, per queue, ``stats()`` and how many messages arrived and left since the last
 refresh (by id: rows above the last highest id arrived; rows at or below it that are gone left, acked,
-cancelled or dead-lettered), and the most recent failures with the end of their traceback; per topic
-and consumer group (``list_topics``, ``list_groups``), the lag, deliveries in flight, live subscribers,
-and the rates of publishing and of the group's progress (from the heads and the lag between two
-refreshes). All reads; nothing is written.
+cancelled or dead-lettered), the most recent failures with the end of their traceback, and the worker
+registry (one line: workers running, slots in use, gone); per topic and consumer group (``list_topics``,
+``list_groups``), the lag, deliveries in flight, live subscribers, and the rates of publishing and of the
+group's progress (from the heads and the lag between two refreshes). All reads; nothing is written.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from delayq.browse import database_now, queue_names
+from delayq.browse import WorkerInfo, database_now, list_workers, queue_names
 from delayq.clock import to_ms
 from delayq.history import parse
 from delayq.humanize import human
@@ -90,6 +90,8 @@ class Snapshot:
     failures: list[Failure] = field(default_factory=list)
     topics: list[TopicRow] = field(default_factory=list)
     """Shown unless the view is narrowed to some queues (``only``)."""
+    workers: list[WorkerInfo] = field(default_factory=list)
+    """The worker registry's rows (``delayq.browse.list_workers``)."""
 
 
 class Top:
@@ -119,8 +121,9 @@ class Top:
                 arrived, left = self._flow(conn, name)
                 rows.append(QueueRow(name, stats, arrived, left, longest.get(name), paused))
             failures = self._failures(conn, names)
+            workers = list_workers(conn, self.tables)
             conn.rollback()
-        return Snapshot(now, rows, failures, [] if self.only else self._topics())
+        return Snapshot(now, rows, failures, [] if self.only else self._topics(), workers)
 
     def _topics(self) -> list[TopicRow]:
         found: list[TopicRow] = []
@@ -232,6 +235,8 @@ def render(snap: Snapshot) -> RenderableType:
     parts: list[RenderableType] = [table]
     if snap.topics:
         parts.append(_topics_table(snap.topics))
+    if snap.workers:
+        parts.append(workers_line(snap.workers))
     if snap.failures:
         lines: list[RenderableType] = []
         for f in snap.failures:
@@ -264,6 +269,17 @@ def _topics_table(rows: list[TopicRow]) -> Table:
             _rate(r.done_per_s),
         )
     return table
+
+
+def workers_line(workers: list[WorkerInfo]) -> Text:
+    """One line on the workers: how many run, their slots in use, how many are gone."""
+    running = [w for w in workers if w.state == "running"]
+    gone = sum(w.state == "gone" for w in workers)
+    used, slots = sum(w.slots_in_use for w in running), sum(w.slots for w in running)
+    line = Text.assemble(("workers ", "bold"), f"{len(running)} running, {used}/{slots} slots in use")
+    if gone:
+        line.append(f", {gone} gone (no heartbeat for a minute)", style="bold red")
+    return line
 
 
 def run(

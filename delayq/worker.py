@@ -232,6 +232,7 @@ class Worker:
             watchdog = Watchdog(self.engine, core.stall_timeout, lambda: {t.ident for t in loops if t.ident})
             watchdog.start()
         log.info("%s", core.started_line())
+        core.register()
         try:
             self._fetch_loop()
         except SchemaMissingError as exc:  # nothing can work: say so and stop
@@ -416,6 +417,7 @@ class Worker:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        core.deregister()
         log.info("worker stopped")
 
     def _install_signal_handlers(self) -> Callable[[], None]:

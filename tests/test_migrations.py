@@ -333,3 +333,53 @@ def test_delayq_0006_gives_existing_messages_priority_0_and_goes_down_again(back
             assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 3
     finally:
         migrations.downgrade(backend.url, prefix=prefix)
+
+
+def test_delayq_0010_keeps_the_keys_collates_them_c_on_postgresql_and_goes_down_again(backend: Backend) -> None:
+    # Keys offered at delayq_0007 stay found, unique and selectable by prefix after the upgrade; on PostgreSQL the
+    # key columns are in "C" (byte order: "B" < "a"), elsewhere unchanged; down again, the registry table goes and
+    # the database's collation is back.
+    from delayq import DelayedQueue
+
+    prefix = "mig10_"
+    m = make_tables(prefix).messages
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0007", prefix=prefix)
+
+    def collations() -> set[str | None]:
+        if backend.name != "postgresql":
+            return set()
+        with backend.engine.connect() as conn:
+            return set(
+                conn.execute(
+                    sa.text(
+                        "SELECT collation_name FROM information_schema.columns WHERE column_name = 'key' "
+                        "AND table_name IN (:m, :d, :f)"
+                    ),
+                    {"m": f"{prefix}messages", "d": f"{prefix}dead_letters", "f": f"{prefix}finished"},
+                ).scalars()
+            )
+
+    try:
+        with backend.engine.begin() as conn:  # below head delayq refuses to run: the old schema, written directly
+            for key in ["order/a", "order/B", "other"]:
+                row = {"queue": "q", "key": key, "payload": b"1", "payload_type": "json", "scheduled_at": 0}
+                conn.execute(sa.insert(m).values(row | {"scheduled_at_initially": 0, "created_at": 0}))
+        assert collations() == ({None} if backend.name == "postgresql" else set())
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+        assert collations() == ({"C"} if backend.name == "postgresql" else set())
+        queue = DelayedQueue(backend.engine, "q", table_prefix=prefix)
+        assert queue.get("order/B") is not None and queue.offer("order/a", 2).name == "IGNORED"
+        with backend.engine.connect() as conn:
+            from delayq.browse import keys_under
+
+            assert keys_under(conn, make_tables(prefix), "q", "order/") == ["order/B", "order/a"]
+        assert queue.cancel_prefix("order/") == 2
+        migrations.downgrade(backend.url, "delayq_0007", prefix=prefix)
+        assert collations() == ({None} if backend.name == "postgresql" else set())
+        with backend.engine.connect() as conn:
+            assert not sa.inspect(conn).has_table(f"{prefix}workers")
+            assert conn.execute(sa.select(m.c.key)).scalars().all() == ["other"]
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)

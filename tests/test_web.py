@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import os
 import re
+import socket
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -21,9 +24,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Mount
 
-from delayq import CronService, DelayedQueue, Subscription, Topic
+from delayq import CronService, DelayedQueue, Delivery, Handler, Subscription, Topic, Worker
 from delayq.browse import State, database_now, list_messages
 from delayq.cli import main
+from delayq.runtime import _registry
 from delayq.schema import make_tables
 from delayq.web import BasicAuth, app
 
@@ -118,6 +122,51 @@ def test_every_page_shows_real_data(backend: Backend, queue_name: str) -> None:
 
     assert c.get("/static/delayq.css").status_code == 200 and c.get("/static/delayq.js").status_code == 200
     assert "cdn" not in overview.text.lower() and "https://" not in overview.text
+
+
+def test_the_workers_page_shows_running_workers_from_the_registry(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_registry, "BEAT", 0.0)  # a registry beat at every heartbeat tick (10 s apart by default)
+    engine = backend.engine
+    release = threading.Event()
+
+    class Blocking(Handler):
+        queue = queue_name
+
+        def handle(self, delivery: Delivery) -> None:
+            release.wait(30)
+
+    worker = Worker(engine, [Blocking()], concurrency=3, poll_interval=dt.timedelta(milliseconds=20), listen=False)
+    DelayedQueue(engine, queue_name).offer("a", 1)
+    registry = worker._core.registry
+    worker.start()
+    try:
+        c = client(engine)
+
+        def mine() -> dict[str, Any] | None:
+            return next((w for w in c.get("/api/workers").json()["workers"] if w["id"] == registry.id), None)
+
+        deadline = time.monotonic() + 30
+        while (found := mine()) is None or found["slots"] != "1/3":  # (the beat after the claim)
+            assert time.monotonic() < deadline, found
+            time.sleep(0.02)
+        assert (found["state"], found["pid"], found["serves"], found["driver"]) == (
+            "running",
+            os.getpid(),
+            queue_name,
+            "threads",
+        )
+        page = c.get("/workers")
+        row = re.search(rf'<tr data-worker="{registry.id}" class="worker running">.*?</tr>', page.text, re.S)
+        assert row is not None and queue_name in row.group(0) and ">1/3<" in row.group(0)
+        assert socket.gethostname()[:200] in row.group(0)
+        assert 'href="/workers"' in c.get("/").text  # the nav links to it
+    finally:
+        release.set()
+        assert worker.stop()
+    stopped = c.get("/workers")
+    assert re.search(rf'<tr data-worker="{registry.id}" class="worker stopped">', stopped.text)
 
 
 def test_actions_change_the_database(backend: Backend, queue_name: str) -> None:

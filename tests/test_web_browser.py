@@ -6,6 +6,7 @@ here (``docs/web-*.png``). Slow: the full profile runs it (scripts/test --full i
 from __future__ import annotations
 
 import datetime as dt
+import os
 import shutil
 import socket
 import threading
@@ -18,7 +19,8 @@ import pytest
 import sqlalchemy as sa
 from conftest import Backend, make_engine
 
-from delayq import CronService, DelayedQueue, Subscription, Topic, migrations
+from delayq import CronService, DelayedQueue, Delivery, Handler, Subscription, Topic, Worker, migrations
+from delayq.runtime import _registry
 
 pytestmark = pytest.mark.slow
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/test --full does)")
@@ -149,6 +151,48 @@ def test_pages_render_and_requeue_pause_cancel_change_the_database(
     sub.close()
 
 
+class Idle(Handler):
+    """A handler of the paused ``reports`` queue: a worker that serves it claims nothing."""
+
+    queue = "reports"
+
+    def handle(self, delivery: Delivery) -> None:
+        pass
+
+
+def test_the_workers_page_shows_a_running_worker_live(
+    backend: Backend, queue_name: str, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_registry, "BEAT", 0.0)  # a registry beat at every heartbeat tick (10 s apart by default)
+
+    class Quick(Handler):
+        queue = queue_name
+
+        def handle(self, delivery: Delivery) -> None:
+            pass
+
+    worker = Worker(backend.engine, [Quick()], concurrency=2, poll_interval=dt.timedelta(milliseconds=20), listen=False)
+    worker.start()
+    registry = worker._core.registry
+    try:
+        with Served(backend.engine, refresh=0.3) as served:
+            page = browser.new_page()
+            page.goto(f"{served.url}/")
+            page.locator('nav a:text-is("Workers")').click()
+            assert page.locator("h1").inner_text() == "Workers"
+            row = page.locator(f'tr[data-worker="{registry.id}"]')
+            row.wait_for()
+            assert queue_name in row.inner_text() and str(os.getpid()) in row.inner_text()
+            assert row.locator('[data-field="state"]').inner_text() == "running"
+            page.wait_for_selector("#workers[data-polled]")  # the live panel polled its JSON
+            assert worker.stop()
+            # the panel's next read shows it stopped (no reload)
+            page.wait_for_selector(f'tr[data-worker="{registry.id}"].stopped')
+            page.close()
+    finally:
+        worker.stop()
+
+
 def test_read_only_shows_no_buttons_and_refuses_a_forged_post(backend: Backend, queue_name: str, browser: Any) -> None:
     q = DelayedQueue(backend.engine, queue_name)
     q.offer("keep", 1, at=dt.timedelta(hours=1))
@@ -215,7 +259,11 @@ def test_screenshots_for_the_docs(tmp_path: Path, browser: Any) -> None:
         "dead": "/dead?queue=thumbnails",
         "cron": "/cron",
         "topic": "/topic?topic=orders",
+        "workers": "/workers",
     }
+    workers = [Worker(engine, [Idle()], concurrency=c, listen=False) for c in (4, 8)]
+    for w in workers:
+        w.start()
     with Served(engine, actions=True, refresh=0.5) as served:
         page = browser.new_page(viewport={"width": 1280, "height": 760})
         page.goto(served.url + "/")
@@ -229,6 +277,8 @@ def test_screenshots_for_the_docs(tmp_path: Path, browser: Any) -> None:
                 page.goto(served.url + path)
             page.screenshot(path=str(DOCS / f"web-{name}.png"), full_page=False)
         page.close()
+    for w in workers:
+        assert w.stop()
     sub.close()
     engine.dispose()
     assert all((DOCS / f"web-{n}.png").stat().st_size > 10_000 for n in shots)

@@ -8,10 +8,10 @@ import functools
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from delayq import browse
-from delayq.browse import State, StoredMessage
+from delayq.browse import State, StoredMessage, WorkerInfo
 from delayq.schema import Tables
 
-__all__ = ["list_messages", "queue_names"]
+__all__ = ["list_messages", "list_workers", "queue_names"]
 
 
 async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
@@ -47,3 +47,8 @@ async def list_messages(
         by_key=by_key,
     )
     return await conn.run_sync(view)
+
+
+async def list_workers(conn: AsyncConnection, tables: Tables) -> list[WorkerInfo]:
+    """The workers in the worker registry, oldest first; see ``delayq.browse.list_workers``."""
+    return await conn.run_sync(browse.list_workers, tables)

@@ -297,6 +297,7 @@ class AsyncWorker:
             self._loop_tasks["topics-gc"] = asyncio.create_task(self._topic_gc_task())
         schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
         log.info("async %s", core.started_line())
+        await self._registry(core.register)
         cancelled = False
         try:
             await self._fetch_task()
@@ -504,6 +505,7 @@ class AsyncWorker:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(kept), name="delayq-keeper")
         else:
             core.forget_unacked()
+        await self._registry(core.deregister)
         log.info("async worker stopped")
 
     async def _keep(self, consumers: list[TopicConsumer]) -> None:
@@ -777,6 +779,13 @@ class AsyncWorker:
             await self._call(fn, *args)
         except TimeoutError as exc:
             log.warning("could not record an outcome (%s); the message returns after its lock expires", exc)
+
+    async def _registry(self, step: Callable[[], None]) -> None:
+        """A worker registry step (it logs its own failures); a stalled call is given up (logged)."""
+        try:
+            await self._call(step)
+        except Exception as exc:
+            log.warning("worker registry: %s", describe(exc))
 
     async def _pause(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a wake-up (a handler ended, a notification, a stop) ends it early."""

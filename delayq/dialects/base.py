@@ -317,8 +317,11 @@ class Dialect:
     def starts_with(cls, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
         """``column`` starts with the prefix bound as ``{name}_lo`` / ``{name}_hi`` (see ``prefix_bounds``).
 
-        A range, compared byte for byte and served by the (queue, key) index; never LIKE, which
-        ignores case on SQLite and needs escaping everywhere.
+        A range, compared byte for byte (``bytewise``); never LIKE, which ignores case on SQLite and needs
+        escaping everywhere. The (queue, key) indexes serve it because the key columns compare byte for byte
+        themselves: a binary collation on MySQL/MariaDB, SQLite's default, and on PostgreSQL the collation "C"
+        since delayq_0010 (an index in the database's collation cannot serve ``key COLLATE "C"``: before that
+        revision a prefix filter read every message of the queue there).
         """
         key = cls.bytewise(column)
         return sa.and_(

@@ -42,6 +42,7 @@ from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.runtime._jobs import Job, Jobs, describe, overdue
+from delayq.runtime._registry import Registry, topic_labels
 from delayq.runtime._sources import QueueSource, StartQueueJob
 from delayq.runtime._topic_gc import TopicCollector
 from delayq.runtime._topics import Start as StartTopicJob
@@ -197,6 +198,18 @@ class Core:
         """Whether a claim of one costs fewer round trips than a batch (PostgreSQL: one autocommitted
         statement, against BEGIN + SET LOCAL, the claim, COMMIT): then an idle worker claims one first."""
         self._idle = True  # the last fetch started nothing
+        self.registry = Registry(
+            engine,
+            make_tables(table_prefix, schema),
+            name=self.name,
+            driver="asyncio" if coroutines else "threads",
+            queues=list(self.queue_sources),
+            topics=topic_labels([(c.sub.topic, c.sub.group) for c in self.topics.consumers]),
+            slots=concurrency,
+            clock=clock,
+        )
+        """This worker's row in the worker registry (``delayq workers``): ``register`` at the start, a beat with
+        the heartbeat's, ``deregister`` at a clean stop. Never raises."""
 
     def wakes(self, payload: str) -> bool:
         """Whether a notification's payload names one of this worker's queues or topics."""
@@ -315,8 +328,22 @@ class Core:
 
     # -- heartbeats, timeouts, acks -------------------------------------------------------------
     def beat(self) -> bool:
-        """Extend the queue locks due (one statement per queue); False when one failed."""
-        return self.jobs.beat()
+        """Extend the queue locks due (one statement per queue), then beat in the worker registry (every
+        ``delayq.runtime._registry.BEAT`` seconds; never raises); False when an extension failed."""
+        ok = self.jobs.beat()
+        self.registry.beat(self.slots_in_use(), self.handled)
+        return ok
+
+    def slots_in_use(self) -> int:
+        return self.concurrency - self.free_slots()
+
+    def register(self) -> None:
+        """Insert this worker's row in the registry (a failure is logged; the next beat tries again)."""
+        self.registry.start(self.slots_in_use(), self.handled)
+
+    def deregister(self) -> None:
+        """Mark this worker stopped in the registry (a clean stop; a failure is logged)."""
+        self.registry.stop(self.handled)
 
     def overdue_jobs(self) -> list[tuple[Job | TopicJob, str, dt.timedelta, str]]:
         """The jobs found running past their handler's ``timeout`` since the last call, each once:

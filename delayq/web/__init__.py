@@ -1,4 +1,4 @@
-"""A web dashboard of delayq's queues, dead letters, cron schedules and topics (the ``delayq[web]`` extra).
+"""A web dashboard of delayq's queues, dead letters, cron schedules, topics and workers (the ``delayq[web]`` extra).
 
 ``app(engine)`` returns an ASGI application (Starlette) to serve with ``delayq web`` or to mount inside
 your own (FastAPI or Starlette: ``Mount("/delayq", app=delayq.web.app(engine))``; every link follows the
@@ -70,9 +70,11 @@ def app(
         route("/cron", _pages.cron),
         route("/topics", _pages.topics),
         route("/topic", _pages.topic),
+        route("/workers", _pages.workers),
         route("/api/overview", _pages.overview_json),
         route("/api/queue", _pages.queue_json),
         route("/api/topics", _pages.topics_json),
+        route("/api/workers", _pages.workers_json),
         route("/act/{action}", _actions.act, ("POST",)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]

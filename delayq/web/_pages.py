@@ -1,4 +1,4 @@
-"""The pages (GET): overview, a queue's messages, a message, dead letters, cron schedules, topics; and the
+"""The pages (GET): overview, a queue's messages, a message, dead letters, cron schedules, topics, workers; and the
 small JSON reads the pages poll to stay live (one panel each)."""
 
 from __future__ import annotations
@@ -142,3 +142,13 @@ async def topic(dash: Dashboard, request: Request) -> Response:
     if view.summary is None:
         return dash.error(request, 404, f"no topic {name!r}")
     return dash.render(request, "topic.html", topic=name, view=view)
+
+
+async def workers(dash: Dashboard, request: Request) -> Response:
+    found = await run_in_threadpool(_reads.workers, dash.where)
+    return dash.render(request, "workers.html", workers=[_reads.worker_row(w) for w in found])
+
+
+async def workers_json(dash: Dashboard, request: Request) -> Response:
+    found = await run_in_threadpool(_reads.workers, dash.where)
+    return json_response({"workers": [_reads.worker_row(w) for w in found]})

@@ -15,7 +15,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delayq.browse import State, StoredMessage, arrival_marks, database_now, list_messages, queue_names
+from delayq.browse import (
+    State,
+    StoredMessage,
+    WorkerInfo,
+    arrival_marks,
+    database_now,
+    list_messages,
+    list_workers,
+    queue_names,
+)
 from delayq.cron import schedule_views
 from delayq.errors import SerializationMismatchError
 from delayq.humanize import human, shorten
@@ -261,3 +270,28 @@ def topic(where: Where, name: str) -> TopicView:
     groups = [GroupView(g, group_lag(where.engine, name, g.group, **kw)) for g in list_groups(where.engine, name, **kw)]
     beats = list_subscribers(where.engine, name, **kw)
     return TopicView(every.get(name), every.get(dead_letter_topic(name)), groups, beats)
+
+
+def workers(where: Where) -> list[WorkerInfo]:
+    """The worker registry (``browse.list_workers``): running workers first, then stopped and gone ones."""
+    with where.engine.connect() as conn:
+        found = list_workers(conn, where.tables)
+    order = {"running": 0, "gone": 1, "stopped": 2}
+    return sorted(found, key=lambda w: order[w.state])
+
+
+def worker_row(w: WorkerInfo) -> dict[str, Any]:
+    """A worker as the workers page shows it (and its JSON panel sends it)."""
+    return {
+        "id": w.id,
+        "host": w.host,
+        "pid": w.pid,
+        "state": w.state,
+        "serves": ", ".join([*w.queues, *w.topics]) or "-",
+        "slots": f"{w.slots_in_use}/{w.slots}",
+        "handled": w.handled,
+        "since": f"{w.started_at:%Y-%m-%d %H:%M:%S}",
+        "running_for": human(w.since),
+        "heartbeat": f"{human(w.last_heartbeat)} ago",
+        "driver": w.driver,
+    }

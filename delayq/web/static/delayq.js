@@ -59,6 +59,32 @@
       });
       const now = document.querySelector("[data-now]");
       if (now && data.now) now.textContent = data.now.replace(/\.\d+/, "");
+    } else if (data.workers) {
+      // Workers come and go: the rows are rebuilt (as text: never HTML).
+      const body = panel.querySelector("tbody");
+      const columns = Array.from(panel.querySelectorAll("thead th")).map((th) => th.dataset.column);
+      const rows = data.workers.map((w) => {
+        const tr = document.createElement("tr");
+        tr.dataset.worker = w.id;
+        tr.className = "worker " + w.state;
+        columns.forEach((name) => {
+          const td = document.createElement("td");
+          td.textContent = w[name] === null || w[name] === undefined ? "-" : String(w[name]);
+          if (name === "pid" || name === "slots" || name === "handled") td.className = "num";
+          if (name === "state") td.dataset.field = "state";
+          tr.appendChild(td);
+        });
+        return tr;
+      });
+      if (rows.length === 0) {
+        const tr = document.createElement("tr"), td = document.createElement("td");
+        td.colSpan = columns.length;
+        td.className = "muted";
+        td.textContent = "No worker has registered in the last hour.";
+        tr.appendChild(td);
+        rows.push(tr);
+      }
+      body.replaceChildren(...rows);
     } else if (data.topics) {
       data.topics.forEach((t) => {
         const row = panel.querySelector('tr[data-topic="' + CSS.escape(t.topic) + '"]');
