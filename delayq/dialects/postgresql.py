@@ -120,6 +120,9 @@ class PostgresDialect(Dialect):
     def notify_statement(self, tables: Tables) -> sa.Executable:
         return sa.select(sa.func.pg_notify(tables.messages.name, sa.bindparam("queue_name", type_=sa.String)))
 
+    def notify_channel(self, channel: str) -> sa.Executable:
+        return sa.select(sa.func.pg_notify(channel, sa.bindparam("queue_name", type_=sa.String)))
+
     def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
         from delayq.dialects.postgresql_async import notifications
 
@@ -349,7 +352,7 @@ def _extend_held_statement(stmts: Statements) -> sa.Update:
 
 def _delete_held_statement(stmts: Statements) -> sa.Delete:
     m, picked = stmts.tables.messages, _picked_held(stmts)
-    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m.c.lock_token))
+    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m.c.lock_token), m.c.unique_for_ms.is_(None))
 
 
 def _held_token(tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
