@@ -43,7 +43,7 @@ class _PruneStatements:
 def _statements(dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], batch: int) -> _PruneStatements:
     chores, fin, dead = tables.chores, tables.finished, tables.dead_letters
     name = sa.bindparam("chore", type_=sa.String)
-    me = sa.bindparam("holder", type_=sa.String)
+    me = sa.bindparam("me", type_=sa.String)
     ids: sa.BindParameter[Any] = sa.bindparam("ids", expanding=True)
     return _PruneStatements(
         ensure=dialect.topic_upsert(chores, ["name"], None).values(name=name, holder=None, expires_at=0),
@@ -71,7 +71,9 @@ def _statements(dialect: Dialect, tables: Tables, now: sa.ColumnElement[int], ba
 
 class Pruner:
     """Deletes kept rows (completed or cancelled messages, dead letters with a retention) past their expiry,
-    while this process holds the shared ``prune`` chore. ``holder`` names the process (unique per worker)."""
+    while this process holds the shared ``chore`` row (``prune``). ``holder`` names the process (unique per worker);
+    ``lease``: how long a round's claim on the chore holds (database time); ``batch``: rows per DELETE;
+    ``statements``: DELETEs per table per round."""
 
     def __init__(
         self,
@@ -84,9 +86,11 @@ class Pruner:
         lease: dt.timedelta = dt.timedelta(minutes=2),
         batch: int = PRUNE_BATCH,
         statements: int = PRUNE_STATEMENTS,
+        chore: str = PRUNE_CHORE,
     ) -> None:
         self.engine = engine
         self.holder = holder[:200]
+        self.chore = chore
         self.clock = clock
         self.tables = make_tables(table_prefix, schema)
         self.lease_ms = duration_ms(lease, "lease")
@@ -106,7 +110,7 @@ class Pruner:
 
     def _params(self) -> dict[str, Any]:
         now = {} if self.clock is None else {"now": to_ms(self.clock.now())}
-        return {"chore": PRUNE_CHORE, "holder": self.holder, "lease": self.lease_ms, **now}
+        return {"chore": self.chore, "me": self.holder, "lease": self.lease_ms, **now}
 
     def take(self) -> bool:
         """Take (or keep) the chore for one lease, unless another process holds it; whether this one does."""
