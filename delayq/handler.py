@@ -67,7 +67,7 @@ class Handler:
         """Process one delivery; ``conn`` is given to transactional handlers. What it returns is the result."""
         raise NotImplementedError(f"{type(self).__name__}.handle")
 
-    def lifecycle_options(self) -> dict[str, Any]:
+    def _lifecycle_options(self) -> dict[str, Any]:
         """The ``DelayedQueue`` arguments of its lifecycle attributes (the worker's queue takes them)."""
         return {
             "retention": self.retention,

@@ -206,10 +206,10 @@ class Delivery:
         ``result`` (what the handler returned) and ``duration`` (how long it ran) are kept with a
         completed message; a worker passes both.
         """
-        self.finished_with(result, duration)
+        self._finished_with(result, duration)
         return self._queue.ack_many([self], using=using) == 1
 
-    def finished_with(self, result: Any, duration: dt.timedelta | None) -> None:
+    def _finished_with(self, result: Any, duration: dt.timedelta | None) -> None:
         """Note the handler's result and run time for the ack (``ack_many`` of several deliveries)."""
         self._result = result
         if duration is not None:

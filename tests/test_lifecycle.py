@@ -251,11 +251,11 @@ def test_eight_concurrent_offerers_across_a_completion_never_make_two(
         barrier = threading.Barrier(9)
         outcomes: list[OfferOutcome] = []
 
-        def offer() -> None:
+        def offer(key: str, barrier: threading.Barrier, outcomes: list[OfferOutcome]) -> None:
             barrier.wait()
-            outcomes.append(q.offer(key, 1))  # noqa: B023
+            outcomes.append(q.offer(key, 1))
 
-        threads = [threading.Thread(target=offer) for _ in range(8)]
+        threads = [threading.Thread(target=offer, args=(key, barrier, outcomes)) for _ in range(8)]
         for t in threads:
             t.start()
         with q.transaction() as conn:
@@ -275,13 +275,14 @@ def test_dead_letters_get_an_expiry_and_are_pruned(
 ) -> None:
     q = make_queue(dead_letter_retention=HOUR, max_deliveries=1, visibility_timeout=MINUTE)
     q.offer_many([("a", 1, None), ("b", 2, None)])
-    a, b = q.try_poll_many(2)
+    a, _ = q.try_poll_many(2)
     assert a.dead_letter("boom")
     clock.advance(2 * MINUTE)  # b's consumer died: the capped claim dead-letters it
     assert q.try_poll_many(2) == []
     dead = T.dead_letters
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(dead.c.key, dead.c.failed_at, dead.c.expires_at).where(dead.c.queue == queue_name))
+        mine = sa.select(dead.c.key, dead.c.failed_at, dead.c.expires_at).where(dead.c.queue == queue_name)
+        rows = conn.execute(mine)
         expiries = {r.key: r.expires_at - r.failed_at for r in rows}
     assert expiries == {"a": 3_600_000, "b": 3_600_000}
     clock.advance(HOUR)
@@ -330,7 +331,7 @@ def test_the_pruner_skips_row_locks_on_its_chore_and_on_kept_rows_and_goes_on(
     assert p.take()
     with row_locked(b.engine, T.chores, T.chores.c.name == p.chore):
         assert p.take() is False  # skipped, not waited for
-    [first, *rest] = finished_rows(b.engine, queue_name)
+    [first, *_] = finished_rows(b.engine, queue_name)
     with row_locked(b.engine, T.finished, T.finished.c.id == first.id):
         assert p.prune() >= 2
         assert [r.key for r in finished_rows(b.engine, queue_name)] == [first.key]

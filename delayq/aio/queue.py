@@ -470,7 +470,7 @@ class AsyncDelivery:
     async def ack(self, *, result: Any = None, duration: dt.timedelta | None = None, using: AsyncUsing = None) -> bool:
         """Delete the message (or keep it as completed, with ``result`` and ``duration``: see ``Delivery.ack``);
         True when this delivery still held the lock."""
-        self.delivery.finished_with(result, duration)
+        self.delivery._finished_with(result, duration)
         return await self.queue_of.ack_many([self], using=using) == 1
 
     async def retry(

@@ -179,7 +179,7 @@ class AsyncWorker:
                 transient_retry=transient_retry,
                 max_deliveries=h.retry.max_attempts,
                 flow_refresh=core.flow_refresh,
-                **h.lifecycle_options(),
+                **h._lifecycle_options(),
             )
             self.async_queues[name] = aq
             source.queue = aq.sync  # the sync core, retried by the worker's loops
@@ -704,7 +704,7 @@ class AsyncWorker:
                 else:
                     started = time.monotonic()
                     result = await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
-                    delivery.finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
+                    delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
                     to_ack = True
             finally:
                 self._in_handler.discard(id(job))

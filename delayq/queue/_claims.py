@@ -213,7 +213,8 @@ class _Claims(_Flow):
             stmts = self._statements(dialect)
             ls = lifecycle_sql(stmts, dialect)
             held_params = dialect.held_params(pairs)
-            rows = conn.execute(ls.held_skipping if skip_locked else ls.held, {**held_params, **self._now_param()}).all()
+            picked = ls.held_skipping if skip_locked else ls.held
+            rows = conn.execute(picked, {**held_params, **self._now_param()}).all()
             if only_unique:
                 rows = [r for r in rows if r.unique_for_ms is not None]
             moved = 0

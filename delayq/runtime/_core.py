@@ -159,7 +159,7 @@ class Core:
                 schema=schema,
                 max_deliveries=h.retry.max_attempts,
                 flow_refresh=self.flow_refresh,
-                **h.lifecycle_options(),
+                **h._lifecycle_options(),
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
@@ -267,7 +267,7 @@ class Core:
             started = time.monotonic()
             with observe.handling(delivery):  # the delivery log, metrics and tracing hear of it
                 result = handler.handle(delivery)
-            delivery.finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
+            delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
             return True
         except NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
