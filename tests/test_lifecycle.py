@@ -444,3 +444,33 @@ def test_an_async_workers_handler_result_and_run_time_are_kept(
 
     m = aio_runner.run(run())
     assert m is not None and (m.state, m.result) == ("completed", {"twice": 4}) and m.duration is not None
+
+
+# -- the command line --------------------------------------------------------------------------------
+def test_the_cli_lists_shows_and_counts_completed_messages(backend: Backend, queue_name: str) -> None:
+    from click.testing import CliRunner
+
+    from delayq.cli import main
+
+    def cli(*args: str) -> Any:
+        out = CliRunner().invoke(main, ["--url", backend.url, *args], catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    q = DelayedQueue(backend.engine, queue_name, retention=HOUR)
+    q.offer_many([("a", {"n": 1}, None), ("b", {"n": 2}, None)])
+    a, _ = q.try_poll_many(2)
+    assert a.ack(result={"ok": True}, duration=dt.timedelta(seconds=2))
+    import json
+
+    [row] = json.loads(cli("stats", queue_name, "--json"))
+    assert (row["completed"], row["cancelled"], row["in_flight"]) == (1, 0, 1)
+    assert "COMPLETED" in cli("stats", queue_name)
+    listed = json.loads(cli("ls", queue_name, "--state", "completed", "--json"))
+    assert [(m["key"], m["state"], m["result"], m["duration"]) for m in listed] == [
+        ("a", "completed", {"ok": True}, 2.0)
+    ]
+    assert json.loads(cli("ls", queue_name, "--state", "cancelled", "--json")) == []
+    assert "RESULT" in cli("ls", queue_name, "--state", "completed")
+    shown = cli("show", queue_name, "a")
+    assert "completed" in shown and "result" in shown and "2.0s" in shown and "finished_at" in shown

@@ -177,6 +177,8 @@ STATE_COLOURS = {
     "in-flight": "yellow",
     "expired-lock": "magenta",
     "dead": "red",
+    "completed": "blue",
+    "cancelled": "white",
 }
 
 

@@ -39,14 +39,17 @@ def database_now_ms(conn: Connection) -> int:
 
 
 def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
-    m, dead, schedules = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules
+    m, dead, schedules, fin = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules, stmts.tables.finished
     return sa.union(
-        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
+        sa.select(m.c.queue).distinct(),
+        sa.select(dead.c.queue).distinct(),
+        sa.select(schedules.c.queue).distinct(),
+        sa.select(fin.c.queue).distinct(),
     )
 
 
 def queue_names(conn: Connection, tables: Tables) -> list[str]:
-    """Every queue with live messages, dead letters or an installed cron schedule, sorted."""
+    """Every queue with live messages, dead letters, kept finished messages or an installed cron schedule, sorted."""
     return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
 
 
@@ -63,8 +66,37 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
     return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
 
 
-def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool) -> sa.Select[Any]:
-    if dead:
+KEPT_STATES = {"completed": 1, "cancelled": 2}
+"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads with ``kept``."""
+
+
+def _rows(
+    stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool, kept: int | None = None
+) -> sa.Select[Any]:
+    no = sa.null()
+    if kept is not None:
+        f = stmts.tables.finished
+        stmt = (
+            sa.select(
+                f.c.key,
+                f.c.payload_type,
+                f.c.payload,
+                f.c.attempts,
+                f.c.last_error,
+                f.c.attempt_history,
+                no.label("failed_at"),
+                no.label("scheduled_at"),
+                no.label("lock_token"),
+                f.c.finished_at,
+                f.c.duration_ms,
+                f.c.result,
+                f.c.result_type,
+            )
+            .where(f.c.state == kept)
+            .order_by(f.c.finished_at, f.c.id)
+        )
+        t = f
+    elif dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
             t.c.key,
@@ -74,8 +106,9 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             t.c.last_error,
             t.c.attempt_history,
             t.c.failed_at,
-            sa.null().label("scheduled_at"),
-            sa.null().label("lock_token"),
+            no.label("scheduled_at"),
+            no.label("lock_token"),
+            *_not_finished(),
         ).order_by(t.c.id)
     else:
         t = stmts.tables.messages
@@ -86,9 +119,10 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             t.c.attempts,
             t.c.last_error,
             t.c.attempt_history,
-            sa.null().label("failed_at"),
+            no.label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
+            *_not_finished(),
         ).order_by(t.c.scheduled_at, t.c.id)
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
@@ -107,6 +141,11 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
     return stmt
 
 
+def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
+    no = sa.null()
+    return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
+
+
 def list_rows(
     conn: Connection,
     tables: Tables,
@@ -120,8 +159,15 @@ def list_rows(
     limit: int,
 ) -> Sequence[Row[Any]]:
     """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id. Columns: key, payload_type, payload, attempts, last_error,
-    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply)."""
+    with ``dead``, its dead letters by id; or, with a state of ``KEPT_STATES``, its kept finished messages
+    by finish time. Columns: key, payload_type, payload, attempts, last_error, attempt_history, failed_at,
+    scheduled_at, lock_token, finished_at, duration_ms, result, result_type (NULL where they do not apply)."""
+    if state in KEPT_STATES:
+        shape_kept = (False, None, bool(key_prefix), key is not None, KEPT_STATES[state])
+        params_kept: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
+        if key_prefix:
+            params_kept.update(prefix_bounds(key_prefix))
+        return conn.execute(_stmts(conn, tables).memo(_rows, *shape_kept), params_kept).all()
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
     shape = (dead, None if dead else state, bool(key_prefix), key is not None)
