@@ -39,7 +39,8 @@ def database_now_ms(conn: Connection) -> int:
 
 
 def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
-    m, dead, schedules, fin = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules, stmts.tables.finished
+    t = stmts.tables
+    m, dead, schedules, fin = t.messages, t.dead_letters, t.schedules, t.finished
     return sa.union(
         sa.select(m.c.queue).distinct(),
         sa.select(dead.c.queue).distinct(),
