@@ -273,8 +273,8 @@ def dead_count(conn: Connection, tables: Tables, queue: str, key: str) -> int:
 
 
 # -- the Spark data source's reads of a queue's messages or dead letters, by id -----------------------
-def _scanned(tables: Tables, dead: bool) -> sa.Table:
-    return tables.dead_letters if dead else tables.messages
+def _scanned(tables: Tables, dead: bool, finished: bool = False) -> sa.Table:
+    return tables.finished if finished else tables.dead_letters if dead else tables.messages
 
 
 def _scan_where(
@@ -297,10 +297,12 @@ def scan_span(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> tuple[int | None, int | None, int]:
     """The lowest and highest id and the count of the rows (of ``queue``, or all; ids ``low..high``) that
-    match ``where`` (conditions over the table's columns: the data source's pushed filters)."""
-    t = _scanned(tables, dead)
+    match ``where`` (conditions over the table's columns: the data source's pushed filters); of the live
+    messages, the dead letters (``dead``) or the kept finished messages (``finished``)."""
+    t = _scanned(tables, dead, finished)
     query = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(
         *_scan_where(t, queue, where, low, high)
     )
@@ -317,8 +319,9 @@ def scan_rows(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> sa.Select[Any]:
     """The query of the columns ``names`` (None: all) of those rows, by id, for the caller to stream."""
-    t = _scanned(tables, dead)
+    t = _scanned(tables, dead, finished)
     columns = [t] if names is None else [t.c[n] for n in names]
     return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)
