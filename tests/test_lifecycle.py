@@ -474,3 +474,79 @@ def test_the_cli_lists_shows_and_counts_completed_messages(backend: Backend, que
     assert "RESULT" in cli("ls", queue_name, "--state", "completed")
     shown = cli("show", queue_name, "a")
     assert "completed" in shown and "result" in shown and "2.0s" in shown and "finished_at" in shown
+
+
+def test_the_pruner_loop_survives_a_failing_round_and_a_worker_runs_it(
+    engine: sa.Engine, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from delayq.runtime._chores import PruneChore
+
+    broken = PruneChore(engine, "w1", table_prefix="nothere_", schema=None, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="delayq.worker"):
+        assert broken.step() is False and broken.step() is False  # logged, and tried again next time
+    assert "pruner:" in caplog.text
+
+    class Kept(Handler):
+        queue = queue_name
+        retention = MINUTE
+
+        def handle(self, delivery: Delivery, conn: sa.Connection | None = None) -> Any:
+            return delivery.payload
+
+    worker = Worker(engine, [Kept()], clock=clock, poll_interval=dt.timedelta(milliseconds=20))
+    pruner = worker._core.pruner
+    assert pruner is not None
+    pruner.interval = 0.02  # rounds every 20 ms
+    pruner.pruner.chore = f"prune-{uuid.uuid4().hex[:12]}"  # a chore row of its own (tests share the database)
+    q = worker.queues[0]
+    q.offer("a", 1)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while q.get("a") is None or q.get("a").state != "completed":  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the worker to complete the message"
+            time.sleep(0.01)
+        clock.advance(2 * MINUTE)
+        while q.get("a") is not None:
+            assert time.monotonic() < deadline, "the worker's pruner to delete the kept message"
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert pruner.rounds >= 1 and pruner.deleted >= 1
+
+
+def test_an_async_workers_pruner_deletes_kept_messages(aio_runner: Any, queue_name: str, clock: ManualClock) -> None:
+    import asyncio
+
+    from delayq.aio import AsyncHandler, AsyncWorker
+
+    class Kept(AsyncHandler):
+        queue = queue_name
+        retention = MINUTE
+
+        async def handle(self, delivery: Any, conn: Any = None) -> Any:
+            return delivery.payload
+
+    async def run() -> int:
+        worker = AsyncWorker(aio_runner.engine, [Kept()], clock=clock, poll_interval=dt.timedelta(milliseconds=20))
+        pruner = worker._core.pruner
+        assert pruner is not None
+        pruner.interval = 0.02
+        pruner.pruner.chore = f"prune-{uuid.uuid4().hex[:12]}"
+        aq = worker.async_queues[queue_name]
+        await aq.offer("a", 1)
+        worker.start()
+        try:
+            deadline = time.monotonic() + 30
+            while (m := await aq.get("a")) is None or m.state != "completed":
+                assert time.monotonic() < deadline, "the worker to complete the message"
+                await asyncio.sleep(0.01)
+            clock.advance(2 * MINUTE)
+            while await aq.get("a") is not None:
+                assert time.monotonic() < deadline, "the worker's pruner to delete the kept message"
+                await asyncio.sleep(0.01)
+        finally:
+            await worker.stop()
+        return pruner.deleted
+
+    assert aio_runner.run(run()) >= 1
