@@ -5,8 +5,9 @@
   delayq_0007 (written here by hand); the ratio should stay at 1 (>= 0.95).
 - ``retention on``: delayq's ``try_poll_many(100)`` + ``ack_many`` on a queue with ``retention=1h`` (the ack
   moves the messages into the finished table) against the same statements run by hand on SQLAlchemy Core:
-  the stack's claim, then in one transaction the SELECT … FOR UPDATE of the held rows, the INSERT into the
-  finished table (one executemany), the DELETE by ids, and on PostgreSQL the NOTIFY.
+  the stack's claim, then on PostgreSQL delayq's one statement (DELETE … RETURNING into INSERT, with the
+  NOTIFY), elsewhere in one transaction the SELECT … FOR UPDATE of the held rows, the INSERT into the
+  finished table (one executemany) and the DELETE by ids.
 
 Each row drains ``n`` messages per side in alternating claims of 100, checks that every message was
 delivered once, and empties the finished table after.
@@ -25,6 +26,7 @@ from sqlalchemy.engine import Connection
 
 from benchmarks.stack import Stack
 from delayq import DelayedQueue
+from delayq.dialects.postgresql import _keep_held_statement
 from delayq.queue._lifecycle import COMPLETED, lifecycle_sql
 from delayq.schema import make_tables
 
@@ -109,6 +111,7 @@ def keeping_drain(engine: sa.Engine, prefix: str, n: int) -> tuple[float, float,
     stack = Stack(q)
     ls = lifecycle_sql(stack.stmts, stack.dialect)
     retention_ms = 3_600_000
+    one_statement = stack.dialect.keeps_in_one_statement
     expected = _fill(q, "a", n) | _fill(q, "b", n)
 
     def ours() -> list[str]:
@@ -122,6 +125,21 @@ def keeping_drain(engine: sa.Engine, prefix: str, n: int) -> tuple[float, float,
         if not rows:
             return []
         pairs = [(r[0], token) for r in rows]
+        if one_statement:  # PostgreSQL: delayq's one statement (``Dialect.keep_held``), run by hand
+            ids = [r[0] for r in rows]
+            params = {
+                **stack.dialect.held_params(pairs),
+                "keep_ids": ids,
+                "keep_durations": [None] * len(ids),
+                "keep_results": [None] * len(ids),
+                "keep_result_types": [None] * len(ids),
+                "retention_ms": retention_ms,
+                "queue_name": q.name,
+            }
+            one = stack.stmts.memo(_keep_held_statement, False, False, True)
+            if stack._run("statement", lambda conn: conn.execute(one, params).scalar_one()) != len(rows):
+                raise Lost("a hand-written keep lost messages")
+            return [r[1] for r in rows]
 
         def keep(conn: Connection) -> int:
             held = conn.execute(ls.held, stack.dialect.held_params(pairs)).all()

@@ -496,6 +496,27 @@ class Dialect:
             return 0
         return int(conn.execute(stmts.ack_ids, {"ids": ids}).rowcount)
 
+    #: Whether ``keep_held`` is one statement here (then it needs no explicit transaction).
+    keeps_in_one_statement: ClassVar[bool] = False
+
+    def keep_held(
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        *,
+        skip_locked: bool,
+        only_unique: bool,
+        notify: bool,
+    ) -> int | None:
+        """Move the held messages ``params`` names (``held_params``) into the finished table as completed, in one
+        statement, where the backend can; how many. None where it cannot: the caller runs the shared shape
+        (SELECT … FOR UPDATE, INSERT, DELETE; ``delayq.queue._lifecycle``). ``params`` also binds, per delivery,
+        ``keep_ids``, ``keep_durations``, ``keep_results``, ``keep_result_types`` (arrays), and
+        ``retention_ms`` and ``queue_name``. ``only_unique``: only messages offered with ``unique_for``;
+        ``notify``: wake waiters (``notify_channel`` on the finished table)."""
+        return None
+
     # Topics ------------------------------------------------------------------------------------
     def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
         """An INSERT that, for a row whose ``keys`` exist, updates ``set_`` instead (or does nothing when None)."""

@@ -15,6 +15,7 @@ from delayq import history, observe
 from delayq._outcome import Bury, Unfinished, after_failure
 from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
+from delayq.dialects.base import Mode
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
 from delayq.messages import Delivery
 from delayq.queue._checks import check_key
@@ -166,8 +167,9 @@ class _Claims(_Flow):
         if not pairs:
             return 0
         tokens = {token for _, token in pairs}
+        keep_mode: Mode = "statement" if self._runner.dialect.keeps_in_one_statement else "transaction"
         if self.lifecycle.keeps:  # every ack keeps its message: one move, in one transaction
-            acked, held = self._runner.run(using, self._keeping(deliveries, list(pairs), skip_locked), "transaction")
+            acked, held = self._runner.run(using, self._keeping(deliveries, list(pairs), skip_locked), keep_mode)
             return self._acked(pairs, acked, held)
 
         def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
@@ -185,7 +187,7 @@ class _Claims(_Flow):
         acked, held = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
         if acked < len(pairs):  # lost locks, row locks held elsewhere, or messages offered with ``unique_for``
             moved, held = self._runner.run(
-                using, self._keeping(deliveries, list(pairs), skip_locked, only_unique=True), "transaction"
+                using, self._keeping(deliveries, list(pairs), skip_locked, only_unique=True), keep_mode
             )
             acked += moved
         return self._acked(pairs, acked, held)
@@ -204,25 +206,44 @@ class _Claims(_Flow):
     ) -> Callable[[Connection, Dialect], tuple[int, set[int]]]:
         """The ack that keeps: lock the held rows (fenced by their tokens), insert them into the finished
         table as completed with their results and durations, delete them; (how many, the ids still held
-        when not all were moved and ``skip_locked``). ``only_unique``: only those offered with ``unique_for``."""
+        when not all were moved and ``skip_locked``). ``only_unique``: only those offered with ``unique_for``.
+        One statement where the dialect has one (``Dialect.keep_held``), else SELECT, INSERT and DELETE."""
         life = self.lifecycle
         results = {d.id: self._encoded_result(d) for d in deliveries}
         durations = {d.id: d._duration_ms for d in deliveries}
 
-        def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
-            stmts = self._statements(dialect)
-            ls = lifecycle_sql(stmts, dialect)
-            held_params = dialect.held_params(pairs)
+        def shared_shape(conn: Connection, dialect: Dialect, held_params: dict[str, Any]) -> int:
+            ls = lifecycle_sql(self._statements(dialect), dialect)
             picked = ls.held_skipping if skip_locked else ls.held
             rows = conn.execute(picked, {**held_params, **self._now_param()}).all()
             if only_unique:
                 rows = [r for r in rows if r.unique_for_ms is not None]
-            moved = 0
-            if rows:
-                conn.execute(ls.insert_finished, [self._finished_row(r, results, durations, life) for r in rows])
-                moved = int(conn.execute(ls.delete_ids, {"ids": [r.id for r in rows]}).rowcount)
-                if ls.notify is not None and self.notify:
-                    conn.execute(ls.notify, {"queue_name": self.name})
+            if not rows:
+                return 0
+            conn.execute(ls.insert_finished, [self._finished_row(r, results, durations, life) for r in rows])
+            moved = int(conn.execute(ls.delete_ids, {"ids": [r.id for r in rows]}).rowcount)
+            if ls.notify is not None and self.notify:
+                conn.execute(ls.notify, {"queue_name": self.name})
+            return moved
+
+        def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
+            stmts = self._statements(dialect)
+            held_params = dialect.held_params(pairs)
+            params = {
+                **held_params,
+                "keep_ids": list(results),
+                "keep_durations": [durations[i] for i in results],
+                "keep_results": [results[i][0] for i in results],
+                "keep_result_types": [results[i][1] for i in results],
+                "retention_ms": life.retention_ms,
+                "queue_name": self.name,
+                **self._now_param(),
+            }
+            notify = self.notify and dialect.can_notify
+            kept = dialect.keep_held(
+                conn, stmts, params, skip_locked=skip_locked, only_unique=only_unique, notify=notify
+            )
+            moved = kept if kept is not None else shared_shape(conn, dialect, held_params)
             if moved == len(pairs) or not skip_locked:
                 return moved, set()
             return moved, set(conn.execute(stmts.held_ids, held_params).scalars())
