@@ -6,6 +6,7 @@
     python -m benchmarks --only topics         # topics (benchmarks/topics.py)
     python -m benchmarks --only lifecycle      # the ack with retention 0 and on (benchmarks/lifecycle.py)
     python -m benchmarks --only "^offer|drain" # names that start with "offer" or contain "drain"
+    python -m benchmarks --web                 # the dashboard's page loads over 1,000,000 messages (benchmarks/web.py)
 
 Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local services by default);
 SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
@@ -874,11 +875,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--soak", type=int, nargs="?", const=1_000_000, help="one worker, 100 slots, this many messages (1,000,000)"
     )
+    parser.add_argument(
+        "--web", type=int, nargs="?", const=1_000_000, help="the dashboard's page loads over this many messages"
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.repeat:
         sizes.repeat = args.repeat
     figures: list[Figure] = []
+    if args.web:
+        from benchmarks import web as web_bench
+
+        backend = args.backends.split(",")[0] if args.backends != parser.get_default("backends") else "postgresql"
+        with tempfile.TemporaryDirectory() as tmp:
+            loads = web_bench.run(make_engine(backend, Path(tmp)), PREFIX, args.web)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(load) for load in loads], indent=2))
+        return 0
     if args.peers or args.soak:
         from benchmarks import peers as peers_bench
         from benchmarks import soak as soak_bench

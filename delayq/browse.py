@@ -53,12 +53,20 @@ class StoredMessage:
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
     claimed_at: dt.datetime | None = None
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+    id: int | None = None
+    """Its row's id (what the next page of ``list_messages`` starts after)."""
     finished_at: dt.datetime | None = None
     """When a kept message completed or was cancelled (None for others)."""
     duration: dt.timedelta | None = None
     """How long a completed message's handler ran, when known."""
     result: Any = None
     """A completed message's result, shown as its serializer tag allows (None when none was kept)."""
+
+    @property
+    def cursor(self) -> tuple[int, int, str]:
+        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id, key)."""
+        due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
+        return due, self.id or 0, self.key
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -122,9 +130,15 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``; kept ones, with ``State.COMPLETED`` or
-    ``State.CANCELLED``, by finish time), by due time."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
+    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue).
+
+    Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
+    so a page deep in a big queue costs what the first does). Kept messages (``State.COMPLETED``,
+    ``State.CANCELLED``) go by id, the order they finished in."""
     dead = state is State.DEAD
     kept = state in (State.COMPLETED, State.CANCELLED)
     rows = _views.list_rows(
@@ -137,6 +151,8 @@ def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
+        key_order=by_key and not dead,
     )
     return [
         StoredMessage(
@@ -151,6 +167,7 @@ def list_messages(
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
+            id=int(r.id),
             finished_at=None if r.finished_at is None else from_ms(r.finished_at),
             duration=None if r.duration_ms is None else dt.timedelta(milliseconds=r.duration_ms),
             result=None if r.result is None else show_payload(r.result_type or "", r.result),
@@ -164,6 +181,16 @@ def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State
     if lock_token is not None:
         return State.EXPIRED_LOCK if due else State.IN_FLIGHT
     return State.READY if due else State.SCHEDULED
+
+
+def arrival_marks(conn: sa.Connection, tables: Tables, queue: str, below: int) -> tuple[int, int | None, int]:
+    """A queue's live messages: how many, the highest id, and how many have an id at or below ``below``.
+
+    Two reads make a throughput (as ``delayq top`` and the dashboard show it): with ``below`` the first
+    read's highest id, the rows above it arrived since, and the first read's count minus the rows still at or
+    below it left (done, cancelled or dead-lettered). One statement; it reads every live message of the queue.
+    """
+    return _views.flow(conn, tables, queue, below)
 
 
 def database_now(conn: sa.Connection) -> dt.datetime:

@@ -47,6 +47,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_result",  # (the ack that keeps the message reads them: delayq/queue/_claims.py)
         "_duration_ms",
         "_lifecycle_options",  # the runtime builds a handler's queue with its lifecycle attributes
+        "_around",  # the async worker runs the core's queue through an AsyncDelayedQueue built around it
+        "_wrap",
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",

@@ -29,8 +29,11 @@ async def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time; see ``delayq.browse``."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time, a keyset page at a time;
+    see ``delayq.browse``."""
     view = functools.partial(
         browse.list_messages,
         tables=tables,
@@ -40,5 +43,7 @@ async def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
+        by_key=by_key,
     )
     return await conn.run_sync(view)

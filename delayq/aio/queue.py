@@ -73,9 +73,8 @@ class AsyncDelayedQueue:
         unique_for: dt.timedelta | None = None,
         dead_letter_retention: dt.timedelta | None = None,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
-        self.engine = engine
-        self.sync = DelayedQueue(
+        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")  # (first: it checks the engine's API)
+        sync = DelayedQueue(
             engine.sync_engine,
             name,
             visibility_timeout=visibility_timeout,
@@ -93,6 +92,21 @@ class AsyncDelayedQueue:
             unique_for=unique_for,
             dead_letter_retention=dead_letter_retention,
         )
+        self._wrap(engine, sync)
+
+    @classmethod
+    def _around(cls, engine: AsyncEngine, sync: DelayedQueue, transient_retry: TransientRetry) -> AsyncDelayedQueue:
+        """The async queue running ``sync``'s operations, configured as ``sync`` is (the worker's queues:
+        the core decides their configuration). ``sync`` is on ``engine.sync_engine`` with ``NO_RETRY``."""
+        assert sync.engine is engine.sync_engine
+        aq = cls.__new__(cls)
+        aq.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
+        aq._wrap(engine, sync)
+        return aq
+
+    def _wrap(self, engine: AsyncEngine, sync: DelayedQueue) -> None:
+        self.engine = engine
+        self.sync = sync
         """The sync queue whose operations this one runs (its engine is ``engine.sync_engine``)."""
         self._giving_back: set[asyncio.Task[None]] = set()
 

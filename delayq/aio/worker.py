@@ -38,6 +38,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from delayq import observe
 from delayq._outcome import TimedOut
+from delayq.aio.bridge import NO_RETRY
 from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
 from delayq.clock import Clock
 from delayq.cron.service import CronService
@@ -142,6 +143,7 @@ class AsyncWorker:
             listen=listen,
             stall_timeout=stall_timeout,
             coroutines=True,
+            transient_retry=NO_RETRY,
         )
         self.engine = engine.sync_engine
         self.async_engine = engine
@@ -168,21 +170,8 @@ class AsyncWorker:
             h = source.handler
             if not inspect.iscoroutinefunction(h.handle):
                 raise InvalidInputError(f"{type(h).__name__}.handle must be a coroutine (async def) in an AsyncWorker")
-            aq = AsyncDelayedQueue(
-                engine,
-                name,
-                serializer=h.serializer,
-                visibility_timeout=h.visibility_timeout,
-                clock=clock,
-                table_prefix=table_prefix,
-                schema=schema,
-                transient_retry=transient_retry,
-                max_deliveries=h.retry.max_attempts,
-                flow_refresh=core.flow_refresh,
-                **h._lifecycle_options(),
-            )
-            self.async_queues[name] = aq
-            source.queue = aq.sync  # the sync core, retried by the worker's loops
+            # The core's queue (built with NO_RETRY: the worker's loops retry), run by the async one.
+            self.async_queues[name] = AsyncDelayedQueue._around(engine, source.queue, transient_retry)
             source.unknown_claims = []  # claims whose reply never came: given back by token
         self._jobs = core.jobs
         self._topics = core.topics

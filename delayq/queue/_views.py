@@ -67,39 +67,22 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
     return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
 
 
-KEPT_STATES = {"completed": 1, "cancelled": 2}
-"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads with ``kept``."""
-
-
 def _rows(
-    stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool, kept: int | None = None
+    stmts: Statements,
+    dead: bool,
+    state: str | None,
+    by_prefix: bool,
+    by_key: bool,
+    paged: bool = False,
+    key_order: bool = False,
 ) -> sa.Select[Any]:
-    no = sa.null()
-    if kept is not None:
-        f = stmts.tables.finished
-        stmt = (
-            sa.select(
-                f.c.key,
-                f.c.payload_type,
-                f.c.payload,
-                f.c.attempts,
-                f.c.last_error,
-                f.c.attempt_history,
-                no.label("failed_at"),
-                no.label("scheduled_at"),
-                no.label("lock_token"),
-                f.c.finished_at,
-                f.c.duration_ms,
-                f.c.result,
-                f.c.result_type,
-            )
-            .where(f.c.state == kept)
-            .order_by(f.c.finished_at, f.c.id)
-        )
-        t = f
-    elif dead:
+    """The listing's statement. Live messages go by due time, or, with ``key_order``, by key (under a key
+    prefix, a range of the (queue, key) index: the first page of a prefix costs its rows, not a walk of the
+    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor."""
+    if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -107,24 +90,27 @@ def _rows(
             t.c.last_error,
             t.c.attempt_history,
             t.c.failed_at,
-            no.label("scheduled_at"),
-            no.label("lock_token"),
+            sa.null().label("scheduled_at"),
+            sa.null().label("lock_token"),
             *_not_finished(),
         ).order_by(t.c.id)
+        if paged:
+            stmt = stmt.where(t.c.id > _ms("after_id"))
     else:
         t = stmts.tables.messages
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
             t.c.attempts,
             t.c.last_error,
             t.c.attempt_history,
-            no.label("failed_at"),
+            sa.null().label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
             *_not_finished(),
-        ).order_by(t.c.scheduled_at, t.c.id)
+        )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
             "ready": sa.and_(due, ~locked),
@@ -134,6 +120,15 @@ def _rows(
         }
         if state is not None:
             stmt = stmt.where(where[state])
+        if key_order:
+            stmt = stmt.order_by(t.c.key)
+            if paged:
+                stmt = stmt.where(t.c.key > sa.bindparam("after_key", type_=sa.String))
+        else:
+            stmt = stmt.order_by(t.c.scheduled_at, t.c.id)
+            if paged:  # (scheduled_at, id) after the cursor's, as a range the (queue, scheduled_at, id) index starts at
+                after_at, after_id = _ms("after_at"), _ms("after_id")
+                stmt = stmt.where(t.c.scheduled_at >= after_at, sa.or_(t.c.scheduled_at > after_at, t.c.id > after_id))
     stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
     if by_prefix:
         stmt = stmt.where(stmts.starts_with(t.c.key))
@@ -142,9 +137,47 @@ def _rows(
     return stmt
 
 
+KEPT_STATES = {"completed": 1, "cancelled": 2}
+"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads too."""
+
+
 def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
     no = sa.null()
     return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
+
+
+def _kept_rows(stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool) -> sa.Select[Any]:
+    """The listing of a queue's kept finished messages in one state, by id (the order they finished in)."""
+    f = stmts.tables.finished
+    no = sa.null()
+    stmt = (
+        sa.select(
+            f.c.id,
+            f.c.key,
+            f.c.payload_type,
+            f.c.payload,
+            f.c.attempts,
+            f.c.last_error,
+            f.c.attempt_history,
+            no.label("failed_at"),
+            no.label("scheduled_at"),
+            no.label("lock_token"),
+            f.c.finished_at,
+            f.c.duration_ms,
+            f.c.result,
+            f.c.result_type,
+        )
+        .where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
+        .order_by(f.c.id)
+        .limit(sa.bindparam("limit", type_=sa.Integer))
+    )
+    if paged:
+        stmt = stmt.where(f.c.id > _ms("after_id"))
+    if by_prefix:
+        stmt = stmt.where(stmts.starts_with(f.c.key))
+    if by_key:
+        stmt = stmt.where(f.c.key == sa.bindparam("msg_key"))
+    return stmt
 
 
 def list_rows(
@@ -158,21 +191,32 @@ def list_rows(
     key_prefix: str | None,
     key: str | None,
     limit: int,
+    after: tuple[int, int, str] | None = None,
+    key_order: bool = False,
 ) -> Sequence[Row[Any]]:
-    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id; or, with a state of ``KEPT_STATES``, its kept finished messages
-    by finish time. Columns: key, payload_type, payload, attempts, last_error, attempt_history, failed_at,
-    scheduled_at, lock_token, finished_at, duration_ms, result, result_type (NULL where they do not apply)."""
+    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time (with
+    ``key_order``: by key); or, with ``dead``, its dead letters by id. Columns: id, key, payload_type,
+    payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token (NULL where they do
+    not apply).
+
+    ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
+    (only what the listing's order compares counts: the id of a dead letter, the key in key order).
+    With a state of ``KEPT_STATES``: the kept finished messages in it, by id, with their finished_at,
+    duration_ms, result and result_type (NULL for the others)."""
     if state in KEPT_STATES:
-        shape_kept = (False, None, bool(key_prefix), key is not None, KEPT_STATES[state])
-        params_kept: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
+        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None)
+        kept_params: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
+        if after is not None:
+            kept_params["after_id"] = after[1]
         if key_prefix:
-            params_kept.update(prefix_bounds(key_prefix))
-        return conn.execute(_stmts(conn, tables).memo(_rows, *shape_kept), params_kept).all()
+            kept_params.update(prefix_bounds(key_prefix))
+        return conn.execute(_stmts(conn, tables).memo(_kept_rows, *kept_shape), kept_params).all()
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None)
+    shape = (dead, None if dead else state, bool(key_prefix), key is not None, after is not None, key_order)
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
+    if after is not None:
+        params.update(after_at=after[0], after_id=after[1], after_key=after[2])
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
     return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()

@@ -47,6 +47,7 @@ from delayq.runtime._sources import QueueSource, StartQueueJob
 from delayq.runtime._topics import Start as StartTopicJob
 from delayq.runtime._topics import TopicConsumer, TopicConsumers, TopicJob
 from delayq.topics.handler import TopicHandler
+from delayq.transactions import DEFAULT_RETRY, TransientRetry
 
 log = logging.getLogger("delayq.worker")
 
@@ -92,7 +93,10 @@ class NotBegun(Exception):
 
 
 class Core:
-    """The state and the steps of one worker, whichever driver runs them (see the module's docstring)."""
+    """The state and the steps of one worker, whichever driver runs them (see the module's docstring).
+
+    ``transient_retry``: how its queues retry their own transactions (the asyncio driver passes none:
+    a retry's pause must not block the loop; its loops back off instead)."""
 
     def __init__(
         self,
@@ -108,6 +112,7 @@ class Core:
         listen: bool,
         stall_timeout: dt.timedelta | None,
         coroutines: bool,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
         if concurrency < 1:
             raise InvalidInputError("concurrency must be at least 1")
@@ -159,6 +164,7 @@ class Core:
                 schema=schema,
                 max_deliveries=h.retry.max_attempts,
                 flow_refresh=self.flow_refresh,
+                transient_retry=transient_retry,
                 **h._lifecycle_options(),
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
