@@ -4,6 +4,7 @@
     python -m benchmarks --quick               # small sizes, one run (CI runs this)
     python -m benchmarks --backends postgresql --json results.json
     python -m benchmarks --only topics         # topics (benchmarks/topics.py)
+    python -m benchmarks --only lifecycle      # the ack with retention 0 and on (benchmarks/lifecycle.py)
     python -m benchmarks --only "^offer|drain" # names that start with "offer" or contain "drain"
     python -m benchmarks --web                 # the dashboard's page loads over 1,000,000 messages (benchmarks/web.py)
 
@@ -40,6 +41,7 @@ import sqlalchemy as sa
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
 from benchmarks import flow as flow_bench
+from benchmarks import lifecycle as lifecycle_bench
 from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
 from benchmarks import topic_pickup as topic_pickup_bench
@@ -743,6 +745,7 @@ def bench_backend(
         "stack: worker 1 x 100 slots (ceiling: API loop try_poll_many(100) + ack_many)",
         lambda: worker_drain(engine, q, sizes.consume_batch, 1, 100, ceiling_batch=100, api_ceiling=True),
     )
+    lifecycle_bench.measure_all(engine, PREFIX, sizes.consume_batch // 2, measure)  # benchmarks/lifecycle.py
     if stack_only:
         engine.dispose()
         return figures

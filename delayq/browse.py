@@ -30,6 +30,10 @@ class State(enum.Enum):
     EXPIRED_LOCK = "expired-lock"
     """Held by a consumer whose lock expired: due for redelivery."""
     DEAD = "dead"
+    COMPLETED = "completed"
+    """Kept after its handler succeeded (``retention``, ``unique_for``), until pruned."""
+    CANCELLED = "cancelled"
+    """Kept after it was cancelled, until pruned."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,12 @@ class StoredMessage:
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
     id: int | None = None
     """Its row's id (what the next page of ``list_messages`` starts after)."""
+    finished_at: dt.datetime | None = None
+    """When a kept message completed or was cancelled (None for others)."""
+    duration: dt.timedelta | None = None
+    """How long a completed message's handler ran, when known."""
+    result: Any = None
+    """A completed message's result, shown as its serializer tag allows (None when none was kept)."""
 
     @property
     def cursor(self) -> tuple[int, int, str]:
@@ -77,6 +87,9 @@ class StoredMessage:
             "failed_at": None if self.failed_at is None else self.failed_at.isoformat(),
             "attempt_history": [r.to_json() for r in self.attempt_history],
             "claimed_at": None if self.claimed_at is None else self.claimed_at.isoformat(),
+            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
+            "duration": None if self.duration is None else self.duration.total_seconds(),
+            "result": self.result,
         }
 
 
@@ -124,8 +137,10 @@ def list_messages(
     ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue).
 
     Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
-    so a page deep in a big queue costs what the first does)."""
+    so a page deep in a big queue costs what the first does). Kept messages (``State.COMPLETED``,
+    ``State.CANCELLED``) go by id, the order they finished in."""
     dead = state is State.DEAD
+    kept = state in (State.COMPLETED, State.CANCELLED)
     rows = _views.list_rows(
         conn,
         tables,
@@ -143,7 +158,7 @@ def list_messages(
         StoredMessage(
             queue=queue,
             key=r.key,
-            state=State.DEAD if dead else _state(r.scheduled_at, r.lock_token, now),
+            state=state if (dead or kept) and state is not None else _state(r.scheduled_at, r.lock_token, now),
             payload_type=r.payload_type,
             payload=show_payload(r.payload_type, r.payload),
             scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
@@ -153,6 +168,9 @@ def list_messages(
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
             id=int(r.id),
+            finished_at=None if r.finished_at is None else from_ms(r.finished_at),
+            duration=None if r.duration_ms is None else dt.timedelta(milliseconds=r.duration_ms),
+            result=None if r.result is None else show_payload(r.result_type or "", r.result),
         )
         for r in rows
     ]

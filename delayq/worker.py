@@ -226,6 +226,8 @@ class Worker:
             if name != "fetch":
                 t.start()
         core.schedules.start()  # declared schedules are kept installed where the worker runs
+        if core.pruner is not None:
+            core.pruner.start()
         watchdog = None
         if core.stall_timeout is not None:
             loops = [t for name, t in self._loops.items() if name != "listen"]
@@ -395,6 +397,8 @@ class Worker:
         core = self._core
         self._stop_acking()
         core.schedules.stop(timeout=5.0)
+        if core.pruner is not None:
+            core.pruner.stop()
         self._jobs.release(self._jobs.cancel_unstarted(), "never started")
         self._topics.give_back_unstarted()
         deadline = time.monotonic() + self.shutdown_timeout

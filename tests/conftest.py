@@ -253,7 +253,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the async API (delayq.aio) ---------------------------------------------------------------
-AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions", "test_held", "test_errors"}
+AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions", "test_held", "test_errors", "test_lifecycle"}
 """Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
 AIO_SYNC_ONLY = {
     # Each builds sync engines of its own (connect_args, statement listeners) for the queue;

@@ -49,6 +49,7 @@ from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.runtime import _topic_observe as topic_observe
+from delayq.runtime._chores import PruneChore
 from delayq.runtime._core import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Core, WorkerHealth, backoff, exit_now
 from delayq.runtime._jobs import Job, describe, overdue
 from delayq.runtime._sources import QueueSource
@@ -75,8 +76,9 @@ class AsyncHandler(Handler):
 
     async def handle(  # type: ignore[override]
         self, delivery: AsyncDelivery, conn: AsyncConnection | None = None
-    ) -> None:
-        """Process one delivery; ``conn`` is given to transactional handlers."""
+    ) -> Any:
+        """Process one delivery; ``conn`` is given to transactional handlers. What it returns is the
+        message's result (kept with a queue history: ``Handler.retention``)."""
         raise NotImplementedError(f"{type(self).__name__}.handle")
 
 
@@ -296,6 +298,8 @@ class AsyncWorker:
         if core.topic_gc:
             self._loop_tasks["topics-gc"] = asyncio.create_task(self._topic_gc_task())
         schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
+        if core.pruner is not None:
+            schedules.append(asyncio.create_task(self._prune_task(core.pruner)))
         log.info("async %s", core.started_line())
         await self._registry(core.register)
         cancelled = False
@@ -423,6 +427,19 @@ class AsyncWorker:
                 wait = service.min_refresh
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._schedules_end.wait(), wait.total_seconds())
+
+    async def _prune_task(self, pruner: PruneChore) -> None:
+        """The pruner's loop, as the threaded worker's pruner thread (ended with the schedule tasks)."""
+        assert self._schedules_end is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._schedules_end.wait(), pruner.pause())
+            if self._schedules_end.is_set():
+                return
+            try:
+                await self._call(pruner.step)
+            except Exception as exc:  # a stalled round (``step`` logs its own failures)
+                log.warning("pruner: %s", describe(exc))
 
     async def _stop_schedules(self, tasks: list[asyncio.Task[None]]) -> None:
         """End the schedule tasks between two rounds; a round stuck for 5 s is cancelled."""
@@ -701,7 +718,9 @@ class AsyncWorker:
                         handler, aq, AsyncDelivery(delivery, aq), self._core.stall_timeout
                     )
                 else:
-                    await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    started = time.monotonic()
+                    result = await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
                     to_ack = True
             finally:
                 self._in_handler.discard(id(job))
@@ -742,10 +761,12 @@ class AsyncWorker:
         try:
             async with bound, aq.transaction() as conn:
                 begun = True
-                await _observed(delivery.delivery, handler.handle(delivery, conn))
+                started = time.monotonic()
+                result = await _observed(delivery.delivery, handler.handle(delivery, conn))
+                took = dt.timedelta(seconds=time.monotonic() - started)
                 if call_bound is not None:
                     bound.reschedule(asyncio.get_running_loop().time() + call_bound)
-                if not await delivery.ack(using=conn):
+                if not await delivery.ack(result=result, duration=took, using=conn):
                     await conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
         except Exception as exc:
@@ -837,7 +858,7 @@ def _record_failure(job: Job, exc: Exception) -> None:
         QueueSource.record_failure(job, exc)
 
 
-async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
+async def _observed(delivery: Delivery, call: Awaitable[Any]) -> Any:
     """Await the handler's ``call`` inside ``observe.handling``, the delivery log, metrics and tracing
     hearing of it; observers are called in a greenlet, on entry and on exit, when one may read the database
     through the sync core (tracing reads the trace context), else directly (a greenlet costs 10-20 µs)."""
@@ -848,7 +869,7 @@ async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
     else:
         observed.__enter__()
     try:
-        await call
+        result = await call
     except BaseException as exc:
         if in_greenlet:
             await greenlet_spawn(observed.__exit__, type(exc), exc, exc.__traceback__)
@@ -859,3 +880,4 @@ async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
         await greenlet_spawn(observed.__exit__, None, None, None)
     else:
         observed.__exit__(None, None, None)
+    return result

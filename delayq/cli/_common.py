@@ -179,6 +179,8 @@ STATE_COLOURS = {
     "dead": "red",
     "running": "green",
     "gone": "red",
+    "completed": "blue",
+    "cancelled": "white",
 }
 
 

@@ -39,14 +39,18 @@ def database_now_ms(conn: Connection) -> int:
 
 
 def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
-    m, dead, schedules = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules
+    t = stmts.tables
+    m, dead, schedules, fin = t.messages, t.dead_letters, t.schedules, t.finished
     return sa.union(
-        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
+        sa.select(m.c.queue).distinct(),
+        sa.select(dead.c.queue).distinct(),
+        sa.select(schedules.c.queue).distinct(),
+        sa.select(fin.c.queue).distinct(),
     )
 
 
 def queue_names(conn: Connection, tables: Tables) -> list[str]:
-    """Every queue with live messages, dead letters or an installed cron schedule, sorted."""
+    """Every queue with live messages, dead letters, kept finished messages or an installed cron schedule, sorted."""
     return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
 
 
@@ -88,6 +92,7 @@ def _rows(
             t.c.failed_at,
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
+            *_not_finished(),
         ).order_by(t.c.id)
         if paged:
             stmt = stmt.where(t.c.id > _ms("after_id"))
@@ -104,6 +109,7 @@ def _rows(
             sa.null().label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
+            *_not_finished(),
         )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
@@ -131,6 +137,49 @@ def _rows(
     return stmt
 
 
+KEPT_STATES = {"completed": 1, "cancelled": 2}
+"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads too."""
+
+
+def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
+    no = sa.null()
+    return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
+
+
+def _kept_rows(stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool) -> sa.Select[Any]:
+    """The listing of a queue's kept finished messages in one state, by id (the order they finished in)."""
+    f = stmts.tables.finished
+    no = sa.null()
+    stmt = (
+        sa.select(
+            f.c.id,
+            f.c.key,
+            f.c.payload_type,
+            f.c.payload,
+            f.c.attempts,
+            f.c.last_error,
+            f.c.attempt_history,
+            no.label("failed_at"),
+            no.label("scheduled_at"),
+            no.label("lock_token"),
+            f.c.finished_at,
+            f.c.duration_ms,
+            f.c.result,
+            f.c.result_type,
+        )
+        .where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
+        .order_by(f.c.id)
+        .limit(sa.bindparam("limit", type_=sa.Integer))
+    )
+    if paged:
+        stmt = stmt.where(f.c.id > _ms("after_id"))
+    if by_prefix:
+        stmt = stmt.where(stmts.starts_with(f.c.key))
+    if by_key:
+        stmt = stmt.where(f.c.key == sa.bindparam("msg_key"))
+    return stmt
+
+
 def list_rows(
     conn: Connection,
     tables: Tables,
@@ -151,7 +200,17 @@ def list_rows(
     not apply).
 
     ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
-    (only what the listing's order compares counts: the id of a dead letter, the key in key order)."""
+    (only what the listing's order compares counts: the id of a dead letter, the key in key order).
+    With a state of ``KEPT_STATES``: the kept finished messages in it, by id, with their finished_at,
+    duration_ms, result and result_type (NULL for the others)."""
+    if state in KEPT_STATES:
+        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None)
+        kept_params: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
+        if after is not None:
+            kept_params["after_id"] = after[1]
+        if key_prefix:
+            kept_params.update(prefix_bounds(key_prefix))
+        return conn.execute(_stmts(conn, tables).memo(_kept_rows, *kept_shape), kept_params).all()
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
     shape = (dead, None if dead else state, bool(key_prefix), key is not None, after is not None, key_order)
@@ -258,8 +317,8 @@ def dead_count(conn: Connection, tables: Tables, queue: str, key: str) -> int:
 
 
 # -- the Spark data source's reads of a queue's messages or dead letters, by id -----------------------
-def _scanned(tables: Tables, dead: bool) -> sa.Table:
-    return tables.dead_letters if dead else tables.messages
+def _scanned(tables: Tables, dead: bool, finished: bool = False) -> sa.Table:
+    return tables.finished if finished else tables.dead_letters if dead else tables.messages
 
 
 def _scan_where(
@@ -282,10 +341,12 @@ def scan_span(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> tuple[int | None, int | None, int]:
     """The lowest and highest id and the count of the rows (of ``queue``, or all; ids ``low..high``) that
-    match ``where`` (conditions over the table's columns: the data source's pushed filters)."""
-    t = _scanned(tables, dead)
+    match ``where`` (conditions over the table's columns: the data source's pushed filters); of the live
+    messages, the dead letters (``dead``) or the kept finished messages (``finished``)."""
+    t = _scanned(tables, dead, finished)
     query = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(
         *_scan_where(t, queue, where, low, high)
     )
@@ -302,8 +363,9 @@ def scan_rows(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> sa.Select[Any]:
     """The query of the columns ``names`` (None: all) of those rows, by id, for the caller to stream."""
-    t = _scanned(tables, dead)
+    t = _scanned(tables, dead, finished)
     columns = [t] if names is None else [t.c[n] for n in names]
     return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)

@@ -41,6 +41,7 @@ from delayq.errors import InvalidInputError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
+from delayq.runtime._chores import PruneChore
 from delayq.runtime._jobs import Job, Jobs, describe, overdue
 from delayq.runtime._registry import Registry, topic_labels
 from delayq.runtime._sources import QueueSource, StartQueueJob
@@ -177,10 +178,17 @@ class Core:
                 max_deliveries=h.retry.max_attempts,
                 flow_refresh=self.flow_refresh,
                 transient_retry=transient_retry,
+                **h._lifecycle_options(),
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
         self.schedules = ScheduleRunner(self.queues, schedules_for(queue_handlers))
+        self.pruner = (
+            PruneChore(engine, self.name, table_prefix=table_prefix, schema=schema, clock=clock)
+            if self.queue_sources
+            else None
+        )
+        """The pruner of kept rows (one worker at a time prunes); None without queue handlers."""
         self.channel = make_tables(table_prefix, schema).messages.name
         """The LISTEN channel: queue offers notify their queue's name, topic publishes ``topic:{name}``."""
         self._wakers = set(self.queue_sources) | {topic_wake.payload(c.sub.topic) for c in self.topics.consumers}
@@ -293,8 +301,10 @@ class Core:
             if handler.transactional:
                 self._handle_in_transaction(handler, job.queue, delivery, self.stall_timeout)
                 return False
+            started = time.monotonic()
             with observe.handling(delivery):  # the delivery log, metrics and tracing hear of it
-                handler.handle(delivery)
+                result = handler.handle(delivery)
+            delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
             return True
         except NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
@@ -315,10 +325,12 @@ class Core:
         try:
             with queue.transaction() as conn:
                 begun = True
+                started = time.monotonic()
                 with observe.handling(delivery):  # begun: from here on it is an attempt
-                    handler.handle(delivery, conn)
+                    result = handler.handle(delivery, conn)
+                took = dt.timedelta(seconds=time.monotonic() - started)
                 bounds.arm(conn.connection.dbapi_connection, call_bound)  # until the COMMIT returns
-                if not delivery.ack(using=conn):
+                if not delivery.ack(result=result, duration=took, using=conn):
                     conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
         except Exception as exc:

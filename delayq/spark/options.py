@@ -6,6 +6,8 @@ Every option is a string (Spark passes them so); names are case-insensitive.
   refused (executors could not share it).
 - ``queue`` or ``topic`` (exactly one): what is read or written.
 - ``dead`` (``false``): with ``queue``, read its dead letters instead of its live messages.
+- ``finished`` (``false``): with ``queue``, read the messages kept after they finished instead (``completed``
+  or ``cancelled``, with their results and durations: ``DelayedQueue(retention=)``, ``unique_for``).
 - ``group``: with ``topic``, a consumer group whose watermarks follow a streaming query's committed offsets,
   so ``delayq topics lag`` shows the query's lag and garbage collection keeps what it has not read. Use a
   group of its own: no ``Subscription`` may read it.
@@ -41,6 +43,7 @@ KNOWN = {
     "queue",
     "topic",
     "dead",
+    "finished",
     "group",
     "table_prefix",
     "schema",
@@ -126,6 +129,7 @@ class SourceOptions:
     queue: str | None = None
     topic: str | None = None
     dead: bool = False
+    finished: bool = False
     group: str | None = None
     table_prefix: str = DEFAULT_PREFIX
     schema: str | None = None
@@ -173,11 +177,15 @@ class SourceOptions:
             raise InvalidInputError(
                 "option 'dead' applies to a queue (a topic's dead letters are the topic {topic}_dlq)"
             )
+        finished = _bool(given, "finished")
+        if finished and (queue is None or dead):
+            raise InvalidInputError("option 'finished' applies to a queue, without 'dead'")
         return cls(
             url=url,
             queue=queue,
             topic=topic,
             dead=dead,
+            finished=finished,
             group=group,
             table_prefix=prefix,
             schema=given.get("schema") or None,

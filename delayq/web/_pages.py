@@ -14,7 +14,7 @@ from delayq.queue import check_queue_name
 from delayq.web import _reads
 from delayq.web._render import Dashboard, json_response
 
-LIVE_STATES = [s.value for s in State if s is not State.DEAD]
+LIVE_STATES = [s.value for s in State if s not in (State.DEAD, State.COMPLETED, State.CANCELLED)]
 
 
 def _queue(request: Request, name: str = "queue") -> str:
