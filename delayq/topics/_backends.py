@@ -35,6 +35,8 @@ class _Stmts(Protocol):
     def ack_pairs(self) -> sa.Executable: ...
     @property
     def ack_in_order(self) -> sa.Executable: ...
+    @property
+    def now_expr(self) -> sa.ColumnElement[int]: ...
 
     def memo(self, build: Callable[..., S], *args: Any) -> S: ...
 
@@ -144,16 +146,16 @@ def read_ranges(
             "afters": [a for _, a, _ in ranges],
             "uptos": [b for _, _, b in ranges],
         }
-        return conn.execute(stmts.memo(_read_ranges_unnest), params).all()
+        return list(conn.execute(stmts.memo(_read_ranges_unnest), params).all())
     out: list[Any] = []
     for start in range(0, len(ranges), RANGE_SLOTS):
         chunk = list(ranges[start : start + RANGE_SLOTS])
         slots = _slots(len(chunk))
         chunk += [(-1, 0, 0)] * (slots - len(chunk))  # padding: there is no partition -1
-        params: dict[str, Any] = {"topic_name": key["topic_name"]}
+        bound: dict[str, Any] = {"topic_name": key["topic_name"]}
         for i, (p, after, upto) in enumerate(chunk):
-            params[f"p{i}"], params[f"a{i}"], params[f"b{i}"] = p, after, upto
-        out += conn.execute(stmts.memo(_read_ranges, slots), params).all()
+            bound[f"p{i}"], bound[f"a{i}"], bound[f"b{i}"] = p, after, upto
+        out += conn.execute(stmts.memo(_read_ranges, slots), bound).all()
     return out
 
 
@@ -213,7 +215,7 @@ def _log_columns(stmts: _Stmts) -> list[sa.ColumnElement[Any]]:
     return [log.c[n] for n in (*names, *more, "last_error")]
 
 
-def _read_ranges(stmts: _Stmts, slots: int) -> sa.CompoundSelect:
+def _read_ranges(stmts: _Stmts, slots: int) -> sa.CompoundSelect[Any]:
     log = stmts.tables.log
     each = [
         sa.select(*_log_columns(stmts)).where(
@@ -302,6 +304,54 @@ def _set_ranges_unnest(stmts: _Stmts) -> sa.Update:
         .where(_group_offsets(stmts), off.c.partition == new.c.parts)
         .values(delivered_offset=new.c.sent_offsets, range_until=sa.bindparam("until", type_=sa.BigInteger))
     )
+
+
+def publish_one(
+    conn: Connection, stmts: _Stmts, topic: str, item: tuple[int, str, str, bytes], payload_type: str
+) -> bool:
+    """Publish one message in one statement, on its own (autocommitted: the head row stays locked for the
+    statement only); whether it was created (False: its id is in the log). Only where ``writable_cte``:
+
+        WITH moved AS (UPDATE topic_heads SET head = head + 1 WHERE topic = :t AND partition = :p
+                        AND NOT EXISTS (SELECT 1 FROM topic_log WHERE topic = :t AND partition_key = :k
+                                        AND message_id = :m)
+                       RETURNING head, <now>)
+        INSERT INTO topic_log (…) SELECT :t, :p, moved.head, :k, :m, … FROM moved RETURNING message_offset
+
+    The head and the row commit together, so offsets stay gap-free and in commit order. The lookup reads
+    the statement's snapshot: the same id published at the same moment by another transaction fails the
+    unique constraint (``IntegrityError``), and the caller publishes it again the general way.
+    """
+    partition, key, mid, payload = item
+    params = {"topic_name": topic, "part": partition, "key": key, "mid": mid, "payload": payload, "ptype": payload_type}
+    return conn.execute(stmts.memo(_publish_one), params).first() is not None
+
+
+def _publish_one(stmts: _Stmts) -> sa.Insert:
+    heads, log = stmts.tables.heads, stmts.tables.log
+    topic = sa.bindparam("topic_name", type_=sa.String)
+    part = sa.bindparam("part", type_=sa.Integer)
+    key, mid = sa.bindparam("key", type_=sa.String), sa.bindparam("mid", type_=sa.String)
+    there = sa.exists().where(log.c.topic == topic, log.c.partition_key == key, log.c.message_id == mid)
+    moved = (
+        sa.update(heads)
+        .where(heads.c.topic == topic, heads.c.partition == part, ~there)
+        .values(head=heads.c.head + 1)
+        .returning(heads.c.head, stmts.now_expr.label("now"))
+        .cte("moved")
+    )
+    row = sa.select(
+        topic,
+        part,
+        moved.c.head,
+        key,
+        mid,
+        sa.bindparam("payload", type_=sa.LargeBinary),
+        sa.bindparam("ptype", type_=sa.String),
+        moved.c.now,
+    )
+    names = ["topic", "partition", "message_offset", "partition_key", "message_id", "payload", "payload_type"]
+    return sa.insert(log).from_select([*names, "published_at"], row).returning(log.c.message_offset)
 
 
 def set_heads_case(stmts: _Stmts, slots: int) -> sa.Update:

@@ -67,6 +67,7 @@ class TopicStatements(Memo):
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         super().__init__()
         self.now = sa.select(now.label("now"))
+        self.now_expr = now
 
         # -- topics and publishing --------------------------------------------------------------
         self.create_topic = dialect.topic_upsert(t.topics, ["topic"], None).values(
@@ -423,6 +424,10 @@ class TopicStatements(Memo):
     ) -> set[int]:
         """See ``_backends.ack_runs``."""
         return _backends.ack_runs(conn, self, key, runs, now)
+
+    def publish_one(self, conn: Connection, topic: str, item: tuple[int, str, str, bytes], payload_type: str) -> bool:
+        """See ``_backends.publish_one``."""
+        return _backends.publish_one(conn, self, topic, item, payload_type)
 
     def ack_each(
         self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]

@@ -124,6 +124,7 @@ class Subscription:
         self._held_lock = threading.Lock()
         self._turn = 0
         self._work: list[tuple[int, int, int]] = []  # partitions with work a poll did not reach (``_next_batch``)
+        self._batch_limit = RANGE_SLOTS  # partitions per poll transaction
 
     def __repr__(self) -> str:
         return f"Subscription({self.topic!r}, group={self.group!r}, name={self.name!r})"
@@ -302,7 +303,7 @@ class Subscription:
         for p, head, fresh in work:
             batch.append((p, head))
             promised += fresh
-            if promised >= want or len(batch) >= RANGE_SLOTS:
+            if promised >= want or len(batch) >= self._batch_limit:
                 break
         self._work = work[len(batch) :]
         return batch, reread
@@ -774,13 +775,13 @@ class Subscription:
         epoch: int,
         now: int,
         want: int,
-        state: tuple[int, int, int],
+        progress: tuple[int, int, int],
     ) -> list[TopicDelivery]:
         """A partition with rows or an expired range: the scan of ``scan_limit`` offsets above its watermark
-        (after its fence, in the poll's transaction). ``state``: its watermark, delivered offset and range
+        (after its fence, in the poll's transaction). ``progress``: its watermark, delivered offset and range
         deadline, as read under the lock."""
         key = self._key(partition)
-        mark, sent, deadline = state
+        mark, sent, deadline = progress
         if sent > mark and deadline <= now:
             self._expire_range(conn, stmts, key, mark, sent, deadline)
         _, offsets, states = self._scan(conn, stmts, key, now)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from delayq.clock import Clock
 from delayq.dialects import Dialect
@@ -129,15 +130,28 @@ class Topic:
         if not prepared:
             return []
 
-        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
-            stmts = self.ctx.stmts(dialect)
+        def located(conn: Connection, stmts: TopicStatements) -> list[tuple[int, str, str, bytes]]:
             if self._partitions is None:
                 self._partitions = self.ctx.partitions(conn, stmts, self.name)
-            n = self._partitions
-            items = [(partition_for(key, n), key, mid, payload) for key, mid, payload in prepared]
-            created = append(conn, stmts, self.ctx.now_param(), self.name, items, self.serializer.type_tag)
+            return [(partition_for(key, self._partitions), key, mid, payload) for key, mid, payload in prepared]
+
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self.ctx.stmts(dialect)
+            created = append(conn, stmts, self.ctx.now_param(), self.name, located(conn, stmts), tag)
             return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED for made in created]
 
+        tag = self.serializer.type_tag
+        if len(prepared) == 1 and self.ctx.runner.dialect.writable_cte and self.ctx.clock is None and _owned(using):
+            # One message in delayq's own transaction: one autocommitted statement (see ``publish_one``).
+            def one(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+                stmts = self.ctx.stmts(dialect)
+                made = stmts.publish_one(conn, self.name, located(conn, stmts)[0], tag)
+                return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED]
+
+            try:
+                return self.ctx.runner.run(using, one, "statement")
+            except IntegrityError:  # the same id published at this moment elsewhere: the general way
+                pass
         return self.ctx.runner.run(using, op, "transaction")
 
     # -- operators ------------------------------------------------------------------------------
@@ -301,3 +315,8 @@ class Topic:
         deleted = int(conn.execute(stmts.collect, {**key, "upto": low}).rowcount)
         conn.execute(stmts.set_collected, {**key, "upto": low})
         return deleted
+
+
+def _owned(using: Using) -> bool:
+    """Whether ``using`` has delayq run its own transactions (None or an Engine)."""
+    return using is None or isinstance(using, Engine)
