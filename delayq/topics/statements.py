@@ -218,6 +218,12 @@ class TopicStatements(Memo):
             .where(off_key, off.c.acked_offset < offset, off.c.delivered_offset >= offset)
             .values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
         )
+        # The same for several deliveries of a partition at once: all of them in the range, or none marked.
+        self.mark_span = (
+            sa.update(off)
+            .where(off_key, off.c.acked_offset < _bp("low"), off.c.delivered_offset >= offset)
+            .values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
+        )
         self.raise_mark = sa.update(off).where(off_key).values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
         self.materialize = dialect.topic_upsert(
             dl, ["consumer_group", "topic", "partition", "message_offset"], None

@@ -359,21 +359,21 @@ class Subscription:
         """Advance the watermark of every partition held past its contiguous done messages, and delete the
         delivery states behind it. Acks in order move it themselves; polls do it for the partitions they
         visit; a worker calls this on a tick so partitions that no poll visits catch up too. One read,
-        then one transaction per partition held with rows above its watermark; the partitions whose lease
-        was lost (one read) are forgotten. Returns the watermarks of the partitions held."""
+        then one transaction per partition held with rows above its watermark; partitions with messages
+        above the watermark whose lease was lost (one more read, when there are any) are forgotten.
+        Returns the watermarks of the partitions held."""
         marks: dict[int, int] = {}
-        if not self._held:
-            return marks
-        leases = self._leases_now(using)
-        for partition, epoch in list(self._held.items()):
-            if leases.get(partition) != epoch:
-                self._drop(partition)
         progress = self._progress(using)
+        unchecked: list[int] = []
         for partition, epoch in sorted(self._held.items()):
             found = progress.get(partition)
             mark = 0 if found is None else int(found.acked_offset)
-            if found is None or int(found.marked_upto) <= mark:
+            if found is None or int(found.head) <= mark:
                 marks[partition] = mark
+                continue
+            if int(found.marked_upto) <= mark:  # no rows: nothing to pass (in-order acks moved it)
+                marks[partition] = mark
+                unchecked.append(partition)
                 continue
 
             def op(conn: Connection, dialect: Dialect, p: int = partition, e: int = epoch) -> int | None:
@@ -390,6 +390,12 @@ class Subscription:
                 self._drop(partition)
             else:
                 marks[partition] = advanced
+        if unchecked:
+            leases = self._leases_now(using)
+            for partition in unchecked:
+                if leases.get(partition) != self._held.get(partition):
+                    self._drop(partition)
+                    del marks[partition]
         return marks
 
     def watermarks(self, *, using: Using = None) -> dict[int, int]:
@@ -470,9 +476,13 @@ class Subscription:
     ) -> None:
         """Give the deliveries ``items`` (offset, attempts, deadline) of the range a row each (pending, attempt
         1), unless they have one: only those still in the range (docs/topics.md, "Delivery state")."""
-        for offset, attempts, until in sorted(items):
-            if attempts != 1:  # delivered again from its row
-                continue
+        ones = sorted((offset, until) for offset, attempts, until in items if attempts == 1)  # (others: rows)
+        if len(ones) > 1:
+            span = {**key, "low": ones[0][0], "offset": ones[-1][0]}
+            if conn.execute(stmts.mark_span, span).rowcount == 1:  # all in the range: two statements
+                conn.execute(stmts.materialize, [{**key, "offset": o, "until": until} for o, until in ones])
+                return
+        for offset, until in ones:
             if conn.execute(stmts.mark, {**key, "offset": offset}).rowcount == 1:
                 conn.execute(stmts.materialize, {**key, "offset": offset, "until": until})
 
