@@ -130,10 +130,11 @@ def _padded(items: Sequence[S]) -> list[S]:
 
 
 def read_ranges(
-    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]]
+    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool
 ) -> list[Any]:
     """The log rows (with payloads) of ``ranges``, each ``(partition, after, upto)``: offsets in ``(after,
-    upto]``, by partition and offset, in one read per ``RANGE_SLOTS`` ranges.
+    upto]``, by partition and offset, in one read per ``RANGE_SLOTS`` ranges; with ``dead`` (a dead-letter
+    topic) their failure columns too.
 
     The shared shape: a ``UNION ALL`` of one primary-key range scan per partition (an ``OR`` of the ranges
     lets PostgreSQL scan every partition's offsets between the lowest and the highest bound).
@@ -146,7 +147,7 @@ def read_ranges(
             "afters": [a for _, a, _ in ranges],
             "uptos": [b for _, _, b in ranges],
         }
-        return list(conn.execute(stmts.memo(_read_ranges_unnest), params).all())
+        return list(conn.execute(stmts.memo(_read_ranges_unnest, dead), params).all())
     out: list[Any] = []
     for start in range(0, len(ranges), RANGE_SLOTS):
         chunk = list(ranges[start : start + RANGE_SLOTS])
@@ -155,7 +156,7 @@ def read_ranges(
         bound: dict[str, Any] = {"topic_name": key["topic_name"]}
         for i, (p, after, upto) in enumerate(chunk):
             bound[f"p{i}"], bound[f"a{i}"], bound[f"b{i}"] = p, after, upto
-        out += conn.execute(stmts.memo(_read_ranges, slots), bound).all()
+        out += conn.execute(stmts.memo(_read_ranges, slots, dead), bound).all()
     return out
 
 
@@ -208,17 +209,17 @@ def ack_runs(
     return moved
 
 
-def _log_columns(stmts: _Stmts) -> list[sa.ColumnElement[Any]]:
+def _log_columns(stmts: _Stmts, dead: bool) -> list[sa.ColumnElement[Any]]:
     log = stmts.tables.log
-    names = ("partition", "message_offset", "partition_key", "message_id", "payload", "payload_type")
-    more = ("published_at", "original_topic", "original_offset", "failed_group", "failed_at", "failure_count")
-    return [log.c[n] for n in (*names, *more, "last_error")]
+    names = ("partition", "message_offset", "partition_key", "message_id", "payload", "payload_type", "published_at")
+    failure = ("original_topic", "original_offset", "failed_group", "failed_at", "failure_count", "last_error")
+    return [log.c[n] for n in (*names, *(failure if dead else ()))]
 
 
-def _read_ranges(stmts: _Stmts, slots: int) -> sa.CompoundSelect[Any]:
+def _read_ranges(stmts: _Stmts, slots: int, dead: bool) -> sa.CompoundSelect[Any]:
     log = stmts.tables.log
     each = [
-        sa.select(*_log_columns(stmts)).where(
+        sa.select(*_log_columns(stmts, dead)).where(
             log.c.topic == sa.bindparam("topic_name", type_=sa.String),
             log.c.partition == sa.bindparam(f"p{i}", type_=sa.Integer),
             log.c.message_offset > sa.bindparam(f"a{i}", type_=sa.BigInteger),
@@ -230,11 +231,11 @@ def _read_ranges(stmts: _Stmts, slots: int) -> sa.CompoundSelect[Any]:
     return union.order_by(union.selected_columns.partition, union.selected_columns.message_offset)
 
 
-def _read_ranges_unnest(stmts: _Stmts) -> sa.Select[Any]:
+def _read_ranges_unnest(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
     log = stmts.tables.log
     asked = stmts.kind.unnest("asked", ("parts", sa.Integer()), ("afters", sa.BigInteger()), ("uptos", sa.BigInteger()))
     found = (
-        sa.select(*_log_columns(stmts))
+        sa.select(*_log_columns(stmts, dead))
         .where(
             log.c.topic == sa.bindparam("topic_name", type_=sa.String),
             log.c.partition == asked.c.parts,
@@ -244,7 +245,7 @@ def _read_ranges_unnest(stmts: _Stmts) -> sa.Select[Any]:
         .lateral("found")
     )
     return (
-        sa.select(*(found.c[c.name] for c in _log_columns(stmts)))
+        sa.select(*(found.c[c.name] for c in _log_columns(stmts, dead)))
         .select_from(asked.join(found, sa.true()))
         .order_by(found.c.partition, found.c.message_offset)
     )

@@ -200,14 +200,28 @@ class TopicStatements(Memo):
         # The fences of several partitions at once (a poll's exclusive, an ack's shared), in ascending order.
         mine_in = sa.and_(mine, dialect.any_of(le.c.partition, "parts"))
         fences = sa.select(le.c.partition, le.c.epoch, now.label("now")).where(mine_in).order_by(le.c.partition)
-        self.fence_many = fences.with_for_update()
         self.fence_many_shared = fences.with_for_update(read=True)
-        # Their offsets rows, locked after the fences (by a poll: a requeue's raise of marked_upto commits
-        # with its log row, so a poll that reads the log after this sees both or neither).
-        self.range_states = (
-            sa.select(off.c.partition, off.c.acked_offset, off.c.delivered_offset, off.c.range_until, off.c.marked_upto)
-            .where(off.c.consumer_group == group, off.c.topic == topic, dialect.any_of(off.c.partition, "parts"))
-            .order_by(off.c.partition)
+        # A poll's: the fences and their offsets rows, both locked by one statement. A locking read returns
+        # the latest committed version of each row it locks (PostgreSQL reads a row again that changed while
+        # it waited for its lock; InnoDB's locking reads read the latest version), so the watermark it reads
+        # is the one the last holder committed (see Fencing); and a requeue's raise of marked_upto commits
+        # with its log row, so a poll that reads the log after this sees both or neither.
+        same_offsets = sa.and_(
+            off.c.consumer_group == le.c.consumer_group, off.c.topic == le.c.topic, off.c.partition == le.c.partition
+        )
+        self.fence_many = (
+            sa.select(
+                le.c.partition,
+                le.c.epoch,
+                now.label("now"),
+                off.c.acked_offset,
+                off.c.delivered_offset,
+                off.c.range_until,
+                off.c.marked_upto,
+            )
+            .select_from(le.join(off, same_offsets))
+            .where(mine_in)
+            .order_by(le.c.partition)
             .with_for_update()
         )
         offset = _bp("offset")
@@ -416,10 +430,10 @@ class TopicStatements(Memo):
         _backends.set_heads(conn, self, topic, heads)
 
     def read_ranges(
-        self, conn: Connection, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]]
+        self, conn: Connection, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool
     ) -> list[Any]:
         """See ``_backends.read_ranges``."""
-        return _backends.read_ranges(conn, self, key, ranges)
+        return _backends.read_ranges(conn, self, key, ranges, dead)
 
     def set_ranges(self, conn: Connection, key: Mapping[str, Any], sent: Mapping[int, int], until: int) -> None:
         """See ``_backends.set_ranges``."""

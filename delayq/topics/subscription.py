@@ -30,6 +30,7 @@ from delayq.topics._context import TopicContext
 from delayq.topics.dead_letters import bury
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
 from delayq.topics.names import (
+    DLQ_SUFFIX,
     check_group,
     check_subscriber,
     check_topic_stored,
@@ -670,7 +671,7 @@ class Subscription:
     ) -> tuple[list[TopicDelivery], set[int]]:
         """A batch's poll, in ``conn``'s transaction: (the deliveries, the partitions whose lease was lost).
 
-        The fences of the batch and their offsets rows, locked; the partitions in the common case (no
+        The fences of the batch and their offsets rows, locked by one statement; the partitions in the common case (no
         rows, the range not expired) read their log ranges in one statement and move their ranges in
         another; the others are scanned one by one (docs/topics.md, "Delivery state")."""
         stmts = self.ctx.stmts(dialect)
@@ -682,12 +683,12 @@ class Subscription:
         fenced = conn.execute(
             stmts.fence_many, {**g, "me": self.name, "parts": sorted(epochs), **self.ctx.now_param()}
         ).all()
-        held = {int(r.partition) for r in fenced if epochs[int(r.partition)] == int(r.epoch)}
+        states = {int(r.partition): r for r in fenced if epochs[int(r.partition)] == int(r.epoch)}
+        held = set(states)
         lost |= set(epochs) - held
         if not held:
             return [], lost
         now = int(fenced[0].now)
-        states = {int(r.partition): r for r in conn.execute(stmts.range_states, {**g, "parts": sorted(held)})}
         until = now + self._visibility_ms
         out: list[TopicDelivery] = []
         ranges: list[tuple[int, int, int]] = []
@@ -729,7 +730,7 @@ class Subscription:
         out: list[TopicDelivery] = []
         sent: dict[int, int] = {}
         doomed: list[tuple[int, Any, str]] = []
-        for row in stmts.read_ranges(conn, g, ranges):
+        for row in stmts.read_ranges(conn, g, ranges, self.topic.endswith(DLQ_SUFFIX)):  # (its failure columns)
             p = int(row.partition)
             sent[p] = int(row.message_offset)
             try:
@@ -867,7 +868,7 @@ class Subscription:
 
     def _delivery(self, row: Any, partition: int, epoch: int, attempts: int, until: int, payload: Any) -> TopicDelivery:
         dead = None
-        if row.original_topic is not None:
+        if getattr(row, "original_topic", None) is not None:  # (read for dead-letter topics only)
             dead = DeadLetterInfo(
                 row.original_topic,
                 int(row.original_offset),
