@@ -3,6 +3,8 @@
 Scenarios (registered in ``python -m benchmarks``, all named "topics: ..."; ``--only topics``):
 
 - publish one message per call, and ``publish_many`` of 500, each beside the ceiling's publish;
+- publishers of one partition while another publisher of it holds its transaction open 100 ms, over and
+  over (their rate and latency; the "ceiling" is their rate with nothing held open);
 - poll(100) + ack_many with 1 and with 4 subscribers (threads, each its own ``Subscription`` of one
   group) over a topic of 1,000 partitions, beside the ceiling's consumer reading the same log as a
   group of its own; every run checks that each message was acked exactly once and that both groups'
@@ -344,6 +346,59 @@ def publish_batches(engine: sa.Engine, n: int) -> Result:
     return n / sum(ours), n / theirs, ours
 
 
+HOLD = 0.1  # seconds a publisher keeps its transaction open (publish_beside_open_transaction)
+PUBLISHERS = 3
+
+
+def publish_beside_open_transaction(engine: sa.Engine, seconds: float) -> Result:
+    """Publishers of one partition beside one whose transaction stays open: ``PUBLISHERS`` threads publish
+    one message per call to one partition for ``seconds`` while another, over and over, publishes to the
+    same partition in its own transaction and keeps it open ``HOLD`` (an outbox transaction doing other
+    work), then commits. The figure is the others' rate and latency; the "ceiling" is their rate in the
+    same run with no transaction held open. Not on SQLite, which has one writer: the holder stops every
+    other writer, and they fail once its busy timeout is spent."""
+    topic = reset(engine, partitions=4)
+    key = "hot"
+
+    def others(holding: bool) -> tuple[float, list[float]]:
+        stop = threading.Event()
+        latencies: list[float] = []
+        lock = threading.Lock()
+
+        def hold() -> None:
+            n = 0
+            while not stop.is_set():
+                with engine.begin() as conn:
+                    topic.publish(key, f"held-{holding}-{n}", {"n": n}, using=conn)
+                    time.sleep(HOLD)
+                n += 1
+
+        def publish(i: int) -> None:
+            n = 0
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                took = ceiling.timed(functools.partial(topic.publish, key, f"p{holding}-{i}-{n}", {"n": n}))
+                with lock:
+                    latencies.append(took)
+                n += 1
+
+        holder = threading.Thread(target=hold) if holding else None
+        if holder is not None:
+            holder.start()
+            time.sleep(HOLD / 2)
+        try:
+            spent = run_threads(PUBLISHERS, publish)
+        finally:
+            stop.set()
+            if holder is not None:
+                holder.join()
+        return len(latencies) / spent, latencies
+
+    quiet, _ = others(False)
+    busy, latencies = others(True)
+    return busy, quiet, latencies
+
+
 # -- consuming --------------------------------------------------------------------------------------
 def check_drained(engine: sa.Engine, group: str, expected: set[str], delivered: Counter[str], what: str) -> None:
     lagging = [p for p in group_lag(engine, TOPIC, group, table_prefix=PREFIX) if p.lag or p.pending]
@@ -562,6 +617,11 @@ def measure_all(engine: sa.Engine, sizes: Any, measure: Measure) -> None:
     """Every topic scenario, through ``python -m benchmarks``'s ``measure`` (which honours ``--only``)."""
     measure("topics: publish (one per call)", lambda: publish_single(engine, sizes.single))
     measure(f"topics: publish_many ({BATCH} per call)", lambda: publish_batches(engine, sizes.batch))
+    if engine.dialect.name != "sqlite":  # one writer: the open transaction stops every other (docs/topics.md)
+        measure(
+            f"topics: publish beside a transaction held {HOLD * 1000:.0f} ms, same partition",
+            lambda: publish_beside_open_transaction(engine, 2.0 if sizes.repeat > 1 else 0.5),
+        )
     for consumers in (1, 4):
         measure(
             f"topics: poll({POLL}) + ack_many, {consumers} sub(s), {PARTITIONS:,} partitions",

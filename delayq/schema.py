@@ -329,6 +329,11 @@ def make_topic_tables(prefix: str, md: sa.MetaData) -> TopicTables:
         *group_topic_partition(),
         sa.Column("acked_offset", sa.BigInteger, nullable=False),
         sa.Column("updated_at", sa.BigInteger, nullable=False),
+        # The in-flight range (acked_offset, delivered_offset] and its deadline, and the highest offset with a
+        # topic_deliveries row (docs/topics.md, "Delivery state"; delayq_0008).
+        sa.Column("delivered_offset", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("range_until", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("marked_upto", sa.BigInteger, nullable=False, server_default="0"),
         sa.Index(f"{prefix}topic_offsets_topic_ix", "topic", "partition"),
         **TABLE_OPTIONS,
     )

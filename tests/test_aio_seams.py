@@ -57,17 +57,25 @@ def kill(admin: sa.Engine, name: str, server_id: int) -> None:
 
 
 def at_second_partition(engine: sa.Engine, act: Callable[[sa.Connection], None]) -> None:
-    """Call ``act(conn)`` once, just before the second delivery-state INSERT of ``engine``'s polls: inside
-    the transaction of the second partition a poll visits, after the first partition's committed."""
+    """Call ``act(conn)`` once, just before the second range move of ``engine``'s polls (the UPDATE of
+    ``topic_offsets`` that sets ``delivered_offset``): inside the transaction of the second partition a poll
+    visits, after the first partition's committed. The subscriptions of these tests poll one partition per
+    transaction (``one_partition_per_batch``); a poll's batch of partitions is otherwise one transaction."""
     seen = 0
 
     @sa.event.listens_for(engine, "before_cursor_execute")
     def before(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
         nonlocal seen
-        if statement.lstrip().upper().startswith("INSERT") and "topic_deliveries" in statement:
+        head = statement.lstrip().upper()
+        if head.startswith("UPDATE") and "topic_offsets" in statement and "delivered_offset" in statement:
             seen += 1
             if seen == 2:
                 act(conn)
+
+
+def one_partition_per_batch(sub: Subscription | AsyncSubscription) -> None:
+    """Poll one partition per transaction (a batch of one), as these tests' faults need."""
+    (sub.sync if isinstance(sub, AsyncSubscription) else sub)._batch_limit = 1
 
 
 def two_partition_topic(engine: sa.Engine, per_partition: int = 3) -> tuple[str, list[str]]:
@@ -102,6 +110,7 @@ def test_a_sync_poll_returns_the_first_partitions_deliveries_when_the_second_par
     at_second_partition(victim, lambda conn: kill(server.engine, server.name, conn.info["server_id"]))
     clock = ManualClock(START)
     sub = Subscription(victim, name, "g", "s1", clock=clock, transient_retry=NO_RETRY)
+    one_partition_per_batch(sub)
     delivered: Counter[str] = Counter()
     errors = 0
     try:
@@ -128,6 +137,7 @@ def test_an_async_poll_retries_only_the_partition_whose_connection_was_killed(se
         server_ids(engine.sync_engine, server.name)
         at_second_partition(engine.sync_engine, lambda conn: kill(server.engine, server.name, conn.info["server_id"]))
         sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        one_partition_per_batch(sub)
         delivered: Counter[str] = Counter()
         try:
             await sub.rebalance()
@@ -153,6 +163,7 @@ def test_a_poll_cancelled_in_its_second_partition_hands_both_partitions_to_the_n
         polling: list[asyncio.Task[list[TopicDelivery]]] = []
         at_second_partition(engine.sync_engine, lambda _: polling[0].cancel())
         sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        one_partition_per_batch(sub)
         delivered: Counter[str] = Counter()
         try:
             await sub.rebalance()
@@ -179,6 +190,7 @@ def test_a_poll_timed_out_by_wait_for_while_its_second_partition_waits_on_the_ne
         engine = make_async_engine(proxy.url_for(server.url))
         at_second_partition(engine.sync_engine, lambda _: proxy.black_hole(1.0))  # the reply held 1 s
         sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        one_partition_per_batch(sub)
         delivered: Counter[str] = Counter()
         try:
             await sub.rebalance()
@@ -205,6 +217,7 @@ def test_a_poll_in_the_callers_transaction_raises_and_the_callers_rollback_undoe
 
     at_second_partition(engine, fail)
     sub = Subscription(engine, name, "g", "s1", clock=ManualClock(START))
+    one_partition_per_batch(sub)
     try:
         sub.rebalance()
         with engine.connect() as conn:
@@ -355,6 +368,7 @@ def test_a_delivery_of_an_async_subscription_refuses_its_own_blocking_methods(ba
     async def main() -> None:
         engine = make_async_engine(backend.url)
         sub = AsyncSubscription(engine, name, "g", "s1", clock=ManualClock(START))
+        one_partition_per_batch(sub)
         try:
             await sub.rebalance()
             got = await sub.poll(10)

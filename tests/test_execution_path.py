@@ -31,8 +31,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_retry",
         "_extend",
         "_dead_letter",
-        "_poll_order",  # AsyncSubscription.poll runs Subscription.poll's steps, one partition per transaction
-        "_poll_one",
+        "_next_batch",  # AsyncSubscription.poll runs Subscription.poll's steps, one batch of partitions per
+        "_poll_batch",  # transaction
         "_poll_failed",
         "_leases_now",  # AsyncSubscription.poll hands out kept deliveries of the leases still held
         "_claiming",  # the runtime notes a claim cancelled in flight by its token (AsyncWorker gives it back)

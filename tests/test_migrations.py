@@ -442,3 +442,62 @@ def test_delayq_0007_upgrades_live_in_flight_and_dead_messages_without_losing_or
             assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 1  # requeued
     finally:
         migrations.downgrade(backend.url, prefix=prefix)
+
+
+def test_delayq_0008_keeps_the_topic_deliveries_in_flight_and_goes_down_again(backend: Backend) -> None:
+    # Delivery states of delayq_0006 (a message in flight, one acked out of order) keep their meaning after
+    # the upgrade: the in-flight one comes back after its visibility timeout at attempt 2, the acked one
+    # is not delivered again. Down again, a message in a range (no row since delayq_0008) gets its row.
+    from conftest import START
+
+    from delayq import ManualClock, Subscription, Topic
+
+    prefix = "mig8_"
+    t = make_tables(prefix).topics
+    now = int(START.timestamp() * 1000)
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0006", prefix=prefix)
+    try:
+        with backend.engine.begin() as conn:  # below head delayq refuses to run: the old schema, written directly
+            for name in ("orders", "orders_dlq"):
+                conn.execute(sa.insert(t.topics).values(topic=name, partitions=1, created_at=now))
+                head = 3 if name == "orders" else 0
+                conn.execute(sa.insert(t.heads).values(topic=name, partition=0, head=head, collected=0))
+            conn.execute(
+                sa.insert(t.log),
+                [
+                    {"topic": "orders", "partition": 0, "message_offset": o, "partition_key": "k"}
+                    | {"message_id": f"m{o}", "payload": b"1", "payload_type": "json", "published_at": now}
+                    for o in (1, 2, 3)
+                ],
+            )
+            g = {"consumer_group": "g", "topic": "orders", "partition": 0}
+            conn.execute(sa.insert(t.leases).values(**g, holder=None, epoch=0, acquired_at=0, expires_at=0))
+            conn.execute(sa.insert(t.offsets).values(**g, acked_offset=0, updated_at=now))
+            conn.execute(
+                sa.insert(t.deliveries),
+                [
+                    {**g, "message_offset": 1, "status": 0, "invisible_until": now + 60_000, "attempts": 1},
+                    {**g, "message_offset": 2, "status": 1, "invisible_until": now, "attempts": 1},
+                ],
+            )
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+        clock = ManualClock(START)
+        sub = Subscription(backend.engine, "orders", "g", "s", clock=clock, table_prefix=prefix)
+        sub.rebalance()
+        (third,) = sub.poll(10)  # 1 in flight, 2 acked
+        assert (third.message_id, third.attempts) == ("m3", 1)
+        clock.advance(dt.timedelta(seconds=61))
+        (first,) = sub.poll(10)
+        assert (first.message_id, first.attempts) == ("m1", 2)
+        assert sub.ack_many([third, first]) == [True, True]
+        assert sub.advance_watermarks() == {0: 3}
+        Topic(backend.engine, "orders", clock=clock, table_prefix=prefix).publish("k", "m4", 4)
+        (fourth,) = sub.poll(10)
+        migrations.downgrade(backend.url, "delayq_0006", prefix=prefix)
+        with backend.engine.connect() as conn:
+            rows = conn.execute(sa.select(t.deliveries.c.message_offset, t.deliveries.c.attempts)).all()
+        assert [tuple(r) for r in rows] == [(fourth.offset, 1)]
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)

@@ -13,7 +13,14 @@ import pytest
 import sqlalchemy as sa
 from conftest import START, Backend, make_async_engine, make_engine
 from faults import FaultProxy
-from test_aio_seams import COMMIT, at_first_claim, at_second_partition, server, two_partition_topic
+from test_aio_seams import (
+    COMMIT,
+    at_first_claim,
+    at_second_partition,
+    one_partition_per_batch,
+    server,
+    two_partition_topic,
+)
 
 from delayq import DelayedQueue, ManualClock
 from delayq.aio import AsyncDelayedQueue, AsyncSubscription
@@ -44,6 +51,7 @@ def test_a_cancelled_polls_kept_deliveries_are_not_handed_out_once_their_partiti
         options: dict[str, Any] = {"clock": clock, "visibility_timeout": VISIBILITY, "lease_duration": LEASE}
         a = AsyncSubscription(engine, name, "g", "a", **options)
         b = AsyncSubscription(engine, name, "g", "b", **options)
+        one_partition_per_batch(a)
         holders: dict[str, list[str]] = {m: [] for m in published}
         try:
             assert set(await a.rebalance()) == {0, 1}
@@ -138,6 +146,7 @@ def test_a_cancelled_poll_whose_commit_reply_never_comes_does_not_hold_up_the_ne
         sub = AsyncSubscription(
             engine, name, "g", "s1", clock=clock, visibility_timeout=VISIBILITY, lease_duration=lease
         )
+        one_partition_per_batch(sub)
         delivered: dict[str, int] = {}
         try:
             await sub.rebalance()

@@ -698,3 +698,49 @@ def test_a_publish_in_an_orm_session_commits_and_rolls_back_with_the_business_ro
         assert [(d.offset, d.payload) for d in sub.poll(10)] == [(1, {"id": 1}), (2, {"id": 3})]
     finally:
         orders.drop(engine)
+
+
+def _rows(engine: sa.Engine, topic: str) -> list[tuple[int, int, int]]:
+    """The group's delivery-state rows of ``topic``: (offset, status, attempts)."""
+    dl = make_tables().topics.deliveries
+    query = sa.select(dl.c.message_offset, dl.c.status, dl.c.attempts).where(dl.c.topic == topic)
+    with engine.connect() as conn:
+        return sorted((int(o), int(s), int(a)) for o, s, a in conn.execute(query))
+
+
+def test_rows_only_for_what_needs_them(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine, clock: ManualClock
+) -> None:
+    # docs/topics.md, "Delivery state": delivered and acked in order writes no row; a nack, an ack out of
+    # order and a range whose deadline passed do, and the watermark passes and deletes them.
+    topic = make_topic(1)
+    topic.publish_many([("k", f"m{i}", i) for i in range(1, 7)])
+    sub = make_sub(max_attempts=3)
+    sub.rebalance()
+    first = sub.poll(2)
+    assert [(d.offset, d.attempts) for d in first] == [(1, 1), (2, 1)]
+    assert sub.ack_many(first) == [True, True]
+    assert _rows(engine, topic.name) == [] and sub.watermarks() == {0: 2}  # in order: the watermark moved
+    three, four, five, _six = sub.poll(10)
+    assert _rows(engine, topic.name) == []
+    assert three.nack(10 * SECOND, "later")  # non-blocking: a row of its own
+    assert five.ack() and not five.ack()  # out of order: a row, acked once
+    assert _rows(engine, topic.name) == [(3, 0, 1), (5, 1, 1)]
+    assert sub.poll(10) == []  # 3 is not due, 4 and 6 are in flight
+    clock.advance(61 * SECOND)  # 3 is due again, the range's deadline (4, 6) passed: attempts count
+    again = sub.poll(10)
+    assert [(d.offset, d.attempts) for d in again] == [(3, 2), (4, 2), (6, 2)]
+    assert not four.ack()  # delivered again since: fenced by its attempt count
+    assert sub.ack_many(again) == [True, True, True]
+    assert sub.advance_watermarks() == {0: 6}
+    assert _rows(engine, topic.name) == []  # passed by the watermark, deleted
+    topic.publish("k", "m7", 7)
+    (seven,) = sub.poll(10)
+    for attempt in (1, 2):
+        clock.advance(61 * SECOND)  # its subscriber "died": the range expires, then its row
+        (seven,) = sub.poll(10)
+        assert seven.attempts == attempt + 1
+    clock.advance(61 * SECOND)
+    assert sub.poll(10) == []  # delivered max_attempts times: dead-lettered by the poll
+    assert [d.message_id for d in topic.dead_letters()] == ["m7"]
+    assert sub.advance_watermarks() == {0: 7}

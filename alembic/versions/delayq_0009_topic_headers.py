@@ -5,7 +5,7 @@ headers when the message was published. A topic handler's span links to the publ
 Additive: existing messages have none.
 
 Revision ID: delayq_0009
-Revises: delayq_0007
+Revises: delayq_0008
 Create Date: 2026-11-27
 """
 
@@ -17,7 +17,7 @@ from alembic import op
 from delayq.migrations import migration_options
 
 revision = "delayq_0009"
-down_revision = "delayq_0007"
+down_revision = "delayq_0008"
 branch_labels = None
 depends_on = None
 

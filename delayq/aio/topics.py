@@ -197,8 +197,8 @@ class AsyncSubscription:
     async def poll(self, limit: int = 10, *, using: AsyncUsing = None) -> list[TopicDelivery]:
         """Up to ``limit`` deliverable messages of the held partitions, in offset order per partition.
 
-        In delayq's own transactions (one per partition), nothing a poll committed is dropped: a
-        transient error is retried for its partition alone; any other error after earlier partitions
+        In delayq's own transactions (one per batch of partitions), nothing a poll committed is dropped: a
+        transient error is retried for its batch alone; any other error after earlier batches
         delivered returns their deliveries. A poll cancelled meanwhile (``asyncio.wait_for`` included)
         finishes in the background, and the next ``poll()`` returns what it delivered of the partitions
         whose lease this subscriber still holds at the same epoch (one read); the others come back to the
@@ -225,20 +225,22 @@ class AsyncSubscription:
             raise
 
     async def _poll_owned(self, limit: int, using: AsyncEngine | None) -> list[TopicDelivery]:
-        """``Subscription.poll``, each partition's transaction retried on its own by the bridge."""
-        order = await self._run(using, lambda u: self.sync._poll_order(limit, u))
+        """``Subscription.poll``, each batch's transaction retried on its own by the bridge."""
         out: list[TopicDelivery] = []
-        for partition in order:
+        reread = False
+        while len(out) < limit:
+            want = limit - len(out)
+            batch, reread = await self._run(using, functools.partial(self.sync._next_batch, want, reread=reread))
+            if batch is None:
+                break
             try:
-                got = await self._run(using, functools.partial(self.sync._poll_one, partition, limit - len(out)))
+                got = await self._run(using, functools.partial(self.sync._poll_batch, batch, want))
             except Exception as exc:
                 if not out:
                     raise
-                self.sync._poll_failed(partition, exc)
+                self.sync._poll_failed(batch[0][0], exc)
                 break
             out.extend(got)
-            if len(out) >= limit:
-                break
         return out
 
     def _keep_when_done(self, task: asyncio.Task[list[TopicDelivery]]) -> None:

@@ -264,6 +264,9 @@ class Dialect:
     update_returning: ClassVar[bool] = True
     #: Whether a list binds as one array parameter, which ``unnest`` turns into rows (see ``unnest``).
     arrays: ClassVar[bool] = False
+    #: Whether a statement's WITH can hold an UPDATE … RETURNING that an INSERT reads (one statement for a
+    #: topic's single publish: ``delayq.topics._backends.publish_one``).
+    writable_cte: ClassVar[bool] = False
     #: Whether a COMMIT's reply can be lost after the server committed (a network between): a claim
     #: attempt that failed may then hold rows under its token (``DelayedQueue.try_poll_many`` gives them back).
     unseen_commits: ClassVar[bool] = True

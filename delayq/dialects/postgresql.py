@@ -104,6 +104,7 @@ class PostgresDialect(Dialect):
     }
     can_notify: ClassVar[bool] = True
     arrays: ClassVar[bool] = True
+    writable_cte: ClassVar[bool] = True
 
     @classmethod
     def unnest(cls, name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:

@@ -33,6 +33,10 @@ class _Stmts(Protocol):
     def existing_ids(self) -> sa.Executable: ...
     @property
     def ack_pairs(self) -> sa.Executable: ...
+    @property
+    def ack_in_order(self) -> sa.Executable: ...
+    @property
+    def now_expr(self) -> sa.ColumnElement[int]: ...
 
     def memo(self, build: Callable[..., S], *args: Any) -> S: ...
 
@@ -109,6 +113,246 @@ def ack(
         return {(int(r.message_offset), int(r.attempts)) for r in locked}
     rows = conn.execute(stmts.ack_pairs, {**key, "pairs": list(pairs)})
     return {(int(r.message_offset), int(r.attempts)) for r in rows}
+
+
+RANGE_SLOTS = 64
+"""Partitions per statement of ``read_ranges``, ``set_ranges`` and ``ack_runs`` (a poll's batch is at most this)."""
+
+
+def _slots(n: int) -> int:
+    """``n`` rounded up to a power of two: a handful of statement texts serve every batch."""
+    return 1 << (n - 1).bit_length()
+
+
+def _padded(items: Sequence[S]) -> list[S]:
+    """``items`` padded to a power of two by repeating the last (the same condition twice changes nothing)."""
+    return [*items, *[items[-1]] * (_slots(len(items)) - len(items))]
+
+
+def read_ranges(
+    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool
+) -> list[Any]:
+    """The log rows (with payloads) of ``ranges``, each ``(partition, after, upto)``: offsets in ``(after,
+    upto]``, by partition and offset, in one read per ``RANGE_SLOTS`` ranges; with ``dead`` (a dead-letter
+    topic) their failure columns too.
+
+    The shared shape: a ``UNION ALL`` of one primary-key range scan per partition (an ``OR`` of the ranges
+    lets PostgreSQL scan every partition's offsets between the lowest and the highest bound).
+    """
+    if stmts.kind.arrays:
+        # Three arrays joined LATERAL to the range scan: one statement text whatever the batch.
+        params = {
+            "topic_name": key["topic_name"],
+            "parts": [p for p, _, _ in ranges],
+            "afters": [a for _, a, _ in ranges],
+            "uptos": [b for _, _, b in ranges],
+        }
+        return list(conn.execute(stmts.memo(_read_ranges_unnest, dead), params).all())
+    out: list[Any] = []
+    for start in range(0, len(ranges), RANGE_SLOTS):
+        chunk = list(ranges[start : start + RANGE_SLOTS])
+        slots = _slots(len(chunk))
+        chunk += [(-1, 0, 0)] * (slots - len(chunk))  # padding: there is no partition -1
+        bound: dict[str, Any] = {"topic_name": key["topic_name"]}
+        for i, (p, after, upto) in enumerate(chunk):
+            bound[f"p{i}"], bound[f"a{i}"], bound[f"b{i}"] = p, after, upto
+        out += conn.execute(stmts.memo(_read_ranges, slots, dead), bound).all()
+    return out
+
+
+def set_ranges(conn: Connection, stmts: _Stmts, key: Mapping[str, Any], sent: Mapping[int, int], until: int) -> None:
+    """Set each partition's delivered offset (``sent``: partition -> offset) and the range deadline ``until``.
+
+    The shared shape: ``UPDATE … SET delivered_offset = CASE partition WHEN :p0 THEN :d0 … END, range_until
+    = :until WHERE … AND partition IN (:p0, …)``; PostgreSQL past a few partitions: ``FROM unnest`` of two
+    arrays.
+    """
+    if stmts.kind.arrays and len(sent) > FEW_HEADS:
+        params = {**key, "parts": list(sent), "sent_offsets": list(sent.values()), "until": until}
+        conn.execute(stmts.memo(_set_ranges_unnest), params)
+        return
+    items = sorted(sent.items())
+    for start in range(0, len(items), RANGE_SLOTS):
+        chunk = _padded(items[start : start + RANGE_SLOTS])
+        params = {"group": key["group"], "topic_name": key["topic_name"], "until": until}
+        for i, (p, d) in enumerate(chunk):
+            params[f"p{i}"], params[f"d{i}"] = p, d
+        conn.execute(stmts.memo(_set_ranges_case, len(chunk)), params)
+
+
+def ack_runs(
+    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], runs: Mapping[int, tuple[int, int]], now: int
+) -> set[int]:
+    """Ack in order: move the watermark of each partition of ``runs`` (partition -> (after, upto)) from
+    ``after`` to ``upto`` where every offset between is in its range at attempt 1 (the watermark is
+    ``after``, the delivered offset at least ``upto``, no row above the watermark); the partitions moved.
+
+    The shared shape: one ``UPDATE … SET acked_offset = CASE partition … END WHERE … AND ((partition = :p0
+    AND acked_offset = :a0 AND delivered_offset >= :u0 AND marked_upto <= :a0) OR …) RETURNING partition``.
+    MySQL/MariaDB (no UPDATE … RETURNING): one UPDATE per partition, its row count.
+    """
+    g = {"group": key["group"], "topic_name": key["topic_name"], "now_v": now}
+    if not stmts.kind.update_returning:
+        return {
+            p
+            for p, (after, upto) in sorted(runs.items())
+            if conn.execute(stmts.ack_in_order, {**g, "part": p, "after": after, "upto": upto}).rowcount == 1
+        }
+    items = sorted(runs.items())
+    moved: set[int] = set()
+    for start in range(0, len(items), RANGE_SLOTS):
+        chunk = _padded(items[start : start + RANGE_SLOTS])
+        params = dict(g)
+        for i, (p, (after, upto)) in enumerate(chunk):
+            params[f"p{i}"], params[f"a{i}"], params[f"u{i}"] = p, after, upto
+        moved.update(int(r.partition) for r in conn.execute(stmts.memo(_ack_runs_case, len(chunk)), params))
+    return moved
+
+
+def _log_columns(stmts: _Stmts, dead: bool) -> list[sa.ColumnElement[Any]]:
+    log = stmts.tables.log
+    names = ("partition", "message_offset", "partition_key", "message_id", "payload", "payload_type", "published_at")
+    failure = ("original_topic", "original_offset", "failed_group", "failed_at", "failure_count", "last_error")
+    return [log.c[n] for n in (*names, *(failure if dead else ()))]
+
+
+def _read_ranges(stmts: _Stmts, slots: int, dead: bool) -> sa.CompoundSelect[Any]:
+    log = stmts.tables.log
+    each = [
+        sa.select(*_log_columns(stmts, dead)).where(
+            log.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            log.c.partition == sa.bindparam(f"p{i}", type_=sa.Integer),
+            log.c.message_offset > sa.bindparam(f"a{i}", type_=sa.BigInteger),
+            log.c.message_offset <= sa.bindparam(f"b{i}", type_=sa.BigInteger),
+        )
+        for i in range(slots)
+    ]
+    union = sa.union_all(*each)
+    return union.order_by(union.selected_columns.partition, union.selected_columns.message_offset)
+
+
+def _read_ranges_unnest(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
+    log = stmts.tables.log
+    asked = stmts.kind.unnest("asked", ("parts", sa.Integer()), ("afters", sa.BigInteger()), ("uptos", sa.BigInteger()))
+    found = (
+        sa.select(*_log_columns(stmts, dead))
+        .where(
+            log.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            log.c.partition == asked.c.parts,
+            log.c.message_offset > asked.c.afters,
+            log.c.message_offset <= asked.c.uptos,
+        )
+        .lateral("found")
+    )
+    return (
+        sa.select(*(found.c[c.name] for c in _log_columns(stmts, dead)))
+        .select_from(asked.join(found, sa.true()))
+        .order_by(found.c.partition, found.c.message_offset)
+    )
+
+
+def _group_offsets(stmts: _Stmts) -> sa.ColumnElement[bool]:
+    off = stmts.tables.offsets
+    return sa.and_(
+        off.c.consumer_group == sa.bindparam("group", type_=sa.String),
+        off.c.topic == sa.bindparam("topic_name", type_=sa.String),
+    )
+
+
+def _set_ranges_case(stmts: _Stmts, slots: int) -> sa.Update:
+    off = stmts.tables.offsets
+    parts = [sa.bindparam(f"p{i}", type_=sa.Integer) for i in range(slots)]
+    sent = sa.case(
+        *((p, sa.bindparam(f"d{i}", type_=sa.BigInteger)) for i, p in enumerate(parts)), value=off.c.partition
+    )
+    return (
+        sa.update(off)
+        .where(_group_offsets(stmts), off.c.partition.in_(parts))
+        .values(delivered_offset=sent, range_until=sa.bindparam("until", type_=sa.BigInteger))
+    )
+
+
+def _ack_runs_case(stmts: _Stmts, slots: int) -> sa.Update:
+    off = stmts.tables.offsets
+    parts = [sa.bindparam(f"p{i}", type_=sa.Integer) for i in range(slots)]
+    afters = [sa.bindparam(f"a{i}", type_=sa.BigInteger) for i in range(slots)]
+    uptos = [sa.bindparam(f"u{i}", type_=sa.BigInteger) for i in range(slots)]
+    each = [
+        sa.and_(
+            off.c.partition == p,
+            off.c.acked_offset == a,
+            off.c.delivered_offset >= u,
+            off.c.marked_upto <= a,
+        )
+        for p, a, u in zip(parts, afters, uptos, strict=True)
+    ]
+    return (
+        sa.update(off)
+        .where(_group_offsets(stmts), sa.or_(*each))
+        .values(
+            acked_offset=sa.case(*zip(parts, uptos, strict=True), value=off.c.partition),
+            updated_at=sa.bindparam("now_v", type_=sa.BigInteger),
+        )
+        .returning(off.c.partition)
+    )
+
+
+def _set_ranges_unnest(stmts: _Stmts) -> sa.Update:
+    off = stmts.tables.offsets
+    new = stmts.kind.unnest("moved", ("parts", sa.Integer()), ("sent_offsets", sa.BigInteger()))
+    return (
+        sa.update(off)
+        .where(_group_offsets(stmts), off.c.partition == new.c.parts)
+        .values(delivered_offset=new.c.sent_offsets, range_until=sa.bindparam("until", type_=sa.BigInteger))
+    )
+
+
+def publish_one(
+    conn: Connection, stmts: _Stmts, topic: str, item: tuple[int, str, str, bytes], payload_type: str
+) -> bool:
+    """Publish one message in one statement, on its own (autocommitted: the head row stays locked for the
+    statement only); whether it was created (False: its id is in the log). Only where ``writable_cte``:
+
+        WITH moved AS (UPDATE topic_heads SET head = head + 1 WHERE topic = :t AND partition = :p
+                        AND NOT EXISTS (SELECT 1 FROM topic_log WHERE topic = :t AND partition_key = :k
+                                        AND message_id = :m)
+                       RETURNING head, <now>)
+        INSERT INTO topic_log (…) SELECT :t, :p, moved.head, :k, :m, … FROM moved RETURNING message_offset
+
+    The head and the row commit together, so offsets stay gap-free and in commit order. The lookup reads
+    the statement's snapshot: the same id published at the same moment by another transaction fails the
+    unique constraint (``IntegrityError``), and the caller publishes it again the general way.
+    """
+    partition, key, mid, payload = item
+    params = {"topic_name": topic, "part": partition, "key": key, "mid": mid, "payload": payload, "ptype": payload_type}
+    return conn.execute(stmts.memo(_publish_one), params).first() is not None
+
+
+def _publish_one(stmts: _Stmts) -> sa.Insert:
+    heads, log = stmts.tables.heads, stmts.tables.log
+    topic = sa.bindparam("topic_name", type_=sa.String)
+    part = sa.bindparam("part", type_=sa.Integer)
+    key, mid = sa.bindparam("key", type_=sa.String), sa.bindparam("mid", type_=sa.String)
+    there = sa.exists().where(log.c.topic == topic, log.c.partition_key == key, log.c.message_id == mid)
+    moved = (
+        sa.update(heads)
+        .where(heads.c.topic == topic, heads.c.partition == part, ~there)
+        .values(head=heads.c.head + 1)
+        .returning(heads.c.head, stmts.now_expr.label("now"))
+        .cte("moved")
+    )
+    row = sa.select(
+        topic,
+        part,
+        moved.c.head,
+        key,
+        mid,
+        sa.bindparam("payload", type_=sa.LargeBinary),
+        sa.bindparam("ptype", type_=sa.String),
+        moved.c.now,
+    )
+    names = ["topic", "partition", "message_offset", "partition_key", "message_id", "payload", "payload_type"]
+    return sa.insert(log).from_select([*names, "published_at"], row).returning(log.c.message_offset)
 
 
 def set_heads_case(stmts: _Stmts, slots: int) -> sa.Update:

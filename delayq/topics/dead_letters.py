@@ -344,6 +344,19 @@ def requeue(
             removed.setdefault(dead_part, []).append(int(r.message_offset))
     if states:
         conn.execute(stmts.insert_state, states)
+        # Their polls read rows only up to marked_upto (docs/topics.md, "Delivery state").
+        conn.execute(
+            stmts.raise_mark,
+            [
+                {
+                    "group": s["consumer_group"],
+                    "topic_name": topic,
+                    "part": s["partition"],
+                    "offset": s["message_offset"],
+                }
+                for s in states
+            ],
+        )
     return _remove(conn, stmts, dlq, removed)
 
 

@@ -67,6 +67,7 @@ class TopicStatements(Memo):
         self.kind = type(dialect)  # the class, not the object: no cycle between a dialect and its statements
         super().__init__()
         self.now = sa.select(now.label("now"))
+        self.now_expr = now
 
         # -- topics and publishing --------------------------------------------------------------
         self.create_topic = dialect.topic_upsert(t.topics, ["topic"], None).values(
@@ -179,15 +180,94 @@ class TopicStatements(Memo):
             .order_by(off.c.partition)
         )
         self.set_watermark = sa.update(off).where(off_key).values(acked_offset=_bp("acked"), updated_at=_bp("now_v"))
-        # The group's watermark and the head of each partition: of the whole group (``group_progress``,
-        # for a subscriber holding many partitions), or of the partitions ``:parts`` (``with_work``).
+        # The group's state and the head of each partition: of the whole group (``group_progress``, for a
+        # subscriber holding many partitions), or of the partitions ``:parts`` (``with_work``); and now.
         self.group_progress = (
-            sa.select(off.c.partition, off.c.acked_offset, heads.c.head)
+            sa.select(
+                off.c.partition,
+                off.c.acked_offset,
+                off.c.delivered_offset,
+                off.c.range_until,
+                off.c.marked_upto,
+                heads.c.head,
+                now.label("now"),
+            )
             .select_from(off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)))
             .where(off.c.consumer_group == group, off.c.topic == topic)
         )
         self.with_work = self.group_progress.where(dialect.any_of(off.c.partition, "parts"))
+        # -- the in-flight range (docs/topics.md, "Delivery state") ----------------------------------------
+        # The fences of several partitions at once (a poll's exclusive, an ack's shared), in ascending order.
+        mine_in = sa.and_(mine, dialect.any_of(le.c.partition, "parts"))
+        fences = sa.select(le.c.partition, le.c.epoch, now.label("now")).where(mine_in).order_by(le.c.partition)
+        self.fence_many_shared = fences.with_for_update(read=True)
+        # A poll's: the fences and their offsets rows, both locked by one statement. A locking read returns
+        # the latest committed version of each row it locks (PostgreSQL reads a row again that changed while
+        # it waited for its lock; InnoDB's locking reads read the latest version), so the watermark it reads
+        # is the one the last holder committed (see Fencing); and a requeue's raise of marked_upto commits
+        # with its log row, so a poll that reads the log after this sees both or neither.
+        same_offsets = sa.and_(
+            off.c.consumer_group == le.c.consumer_group, off.c.topic == le.c.topic, off.c.partition == le.c.partition
+        )
+        self.fence_many = (
+            sa.select(
+                le.c.partition,
+                le.c.epoch,
+                now.label("now"),
+                off.c.acked_offset,
+                off.c.delivered_offset,
+                off.c.range_until,
+                off.c.marked_upto,
+            )
+            .select_from(le.join(off, same_offsets))
+            .where(mine_in)
+            .order_by(le.c.partition)
+            .with_for_update()
+        )
+        offset = _bp("offset")
+        # A delivery of the range about to get a row: only while it is in the range (else: lost), raising
+        # marked_upto (this locks the offsets row until the transaction ends).
+        self.mark = (
+            sa.update(off)
+            .where(off_key, off.c.acked_offset < offset, off.c.delivered_offset >= offset)
+            .values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
+        )
+        # The same for several deliveries of a partition at once: all of them in the range, or none marked.
+        self.mark_span = (
+            sa.update(off)
+            .where(off_key, off.c.acked_offset < _bp("low"), off.c.delivered_offset >= offset)
+            .values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
+        )
+        self.raise_mark = sa.update(off).where(off_key).values(marked_upto=dialect.greatest(off.c.marked_upto, offset))
+        self.materialize = dialect.topic_upsert(
+            dl, ["consumer_group", "topic", "partition", "message_offset"], None
+        ).values(
+            consumer_group=group,
+            topic=topic,
+            partition=part,
+            message_offset=offset,
+            status=PENDING,
+            invisible_until=_bp("until"),
+            attempts=1,
+        )
+        self.set_range = sa.update(off).where(off_key).values(delivered_offset=_bp("sent"), range_until=_bp("until"))
+        # An ack in order of one partition (MySQL/MariaDB; the others ack several partitions in one statement).
+        self.ack_in_order = (
+            sa.update(off)
+            .where(
+                off_key,
+                off.c.acked_offset == _bp("after"),
+                off.c.delivered_offset >= _bp("upto"),
+                off.c.marked_upto <= _bp("after"),
+            )
+            .values(acked_offset=_bp("upto"), updated_at=_bp("now_v"))
+        )
         log_part = sa.and_(log.c.topic == topic, log.c.partition == part)
+        self.offsets_between = (
+            sa.select(log.c.message_offset)
+            .where(log_part, log.c.message_offset > _bp("after"), log.c.message_offset <= _bp("upto"))
+            .order_by(log.c.message_offset)
+        )
         self.offsets_after = (
             sa.select(log.c.message_offset)
             .where(log_part, log.c.message_offset > _bp("after"))
@@ -348,6 +428,26 @@ class TopicStatements(Memo):
     def set_heads(self, conn: Connection, topic: str, heads: Mapping[int, int]) -> None:
         """See ``_backends.set_heads``."""
         _backends.set_heads(conn, self, topic, heads)
+
+    def read_ranges(
+        self, conn: Connection, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool
+    ) -> list[Any]:
+        """See ``_backends.read_ranges``."""
+        return _backends.read_ranges(conn, self, key, ranges, dead)
+
+    def set_ranges(self, conn: Connection, key: Mapping[str, Any], sent: Mapping[int, int], until: int) -> None:
+        """See ``_backends.set_ranges``."""
+        _backends.set_ranges(conn, self, key, sent, until)
+
+    def ack_runs(
+        self, conn: Connection, key: Mapping[str, Any], runs: Mapping[int, tuple[int, int]], now: int
+    ) -> set[int]:
+        """See ``_backends.ack_runs``."""
+        return _backends.ack_runs(conn, self, key, runs, now)
+
+    def publish_one(self, conn: Connection, topic: str, item: tuple[int, str, str, bytes], payload_type: str) -> bool:
+        """See ``_backends.publish_one``."""
+        return _backends.publish_one(conn, self, topic, item, payload_type)
 
     def ack_each(
         self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]

@@ -20,15 +20,17 @@ from sqlalchemy.engine import Connection, Engine
 
 from delayq._outcome import Bury, Unfinished, after_failure
 from delayq._steering import Retry
-from delayq.clock import Clock, duration_ms, from_ms
+from delayq.clock import Clock, duration_ms, from_ms, to_ms
 from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError, SerializationMismatchError
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer
+from delayq.topics._backends import RANGE_SLOTS
 from delayq.topics._context import TopicContext
 from delayq.topics.dead_letters import bury
 from delayq.topics.delivery import DeadLetterInfo, LeaseLostError, TopicDelivery
 from delayq.topics.names import (
+    DLQ_SUFFIX,
     check_group,
     check_subscriber,
     check_topic_stored,
@@ -122,6 +124,8 @@ class Subscription:
         self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
         self._turn = 0
+        self._work: list[tuple[int, int, int]] = []  # partitions with work a poll did not reach (``_next_batch``)
+        self._batch_limit = RANGE_SLOTS  # partitions per poll transaction
 
     def __repr__(self) -> str:
         return f"Subscription({self.topic!r}, group={self.group!r}, name={self.name!r})"
@@ -255,49 +259,83 @@ class Subscription:
         nack delay has passed (with ``strict``, only the partition's first message not done, and
         only when no other is in flight). Delivering it counts an attempt and hides it for the
         visibility timeout; one that was delivered ``max_attempts`` times already goes to the
-        dead-letter topic instead. The watermark of each partition visited advances first.
-        Costs one read to find the held partitions with messages above their watermark, then one
-        transaction per such partition visited (partitions take turns between polls). In delayq's own
-        transactions, a partition's failure after earlier ones delivered returns their deliveries (they
-        are committed) and logs the error; a poll that delivered nothing yet raises it.
+        dead-letter topic instead. Costs one read to find the held partitions with work, then one
+        transaction per batch of partitions (as many as their heads promise to fill ``limit``;
+        partitions take turns between polls). In delayq's own transactions, a batch's failure after
+        earlier ones delivered returns their deliveries (they are committed) and logs the error; a poll
+        that delivered nothing yet raises it. See docs/topics.md, "Delivery state".
         """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
         out: list[TopicDelivery] = []
-        for partition in self._poll_order(limit, using):
+        reread = False
+        while len(out) < limit:
+            batch, reread = self._next_batch(limit - len(out), using, reread=reread)
+            if batch is None:
+                break
             try:
-                got = self._poll_one(partition, limit - len(out), using)
+                got = self._poll_batch(batch, limit - len(out), using)
             except Exception as exc:
                 if not out or not self._owned(using):
                     raise
-                self._poll_failed(partition, exc)
+                self._poll_failed(batch[0][0], exc)
                 break
             out.extend(got)
-            if len(out) >= limit:
-                break
         return out
 
-    def _poll_order(self, limit: int, using: Using) -> list[int]:
-        """The held partitions with messages above their watermark, in this poll's turn (one read)."""
-        if not isinstance(limit, int) or limit < 1:
-            raise InvalidInputError(f"limit must be a positive int, got {limit!r}")
+    def _next_batch(self, want: int, using: Using, *, reread: bool) -> tuple[list[tuple[int, int]] | None, bool]:
+        """The next batch of held partitions with work, each (partition, head), whose fresh messages fill
+        ``want``, and whether the partitions with work were read during this poll.
+
+        One read finds every held partition with work; the partitions a poll does not reach are kept, in
+        their turn, for the next polls (a partition's work beyond what was read shows at the next read). A
+        poll that used up the kept ones without filling its limit reads again, once: None then ends it."""
+        while True:
+            work = [w for w in self._work if w[0] in self._held]
+            if work or reread:
+                break
+            self._work = self._plan(using)
+            reread = True
+        if not work:
+            self._work = []
+            return None, reread
+        batch: list[tuple[int, int]] = []
+        promised = 0
+        for p, head, fresh in work:
+            batch.append((p, head))
+            promised += fresh
+            if promised >= want or len(batch) >= self._batch_limit:
+                break
+        self._work = work[len(batch) :]
+        return batch, reread
+
+    def _plan(self, using: Using) -> list[tuple[int, int, int]]:
+        """The held partitions with work, in this poll's turn: (partition, head, the fresh messages it
+        promises, at least 1) of each with a head above its delivered offset (within the scan window), an
+        expired range or rows (one read)."""
         if not self._held:
             return []
-        candidates = sorted(p for p, (mark, head) in self._progress(using).items() if head > mark)
-        if not candidates:
+        work: dict[int, tuple[int, int]] = {}
+        for p, r in self._progress(using).items():
+            mark, head = int(r.acked_offset), int(r.head)
+            sent = max(mark, int(r.delivered_offset))
+            fresh = 0 if self.strict and sent > mark else max(0, min(head, mark + self.scan_limit) - sent)
+            expired = sent > mark and int(r.range_until) <= int(r.now)
+            if fresh or expired or int(r.marked_upto) > mark:
+                work[p] = (head, max(fresh, 1))
+        if not work:
             return []
+        candidates = sorted(work)
         self._turn = (self._turn + 1) % len(candidates)
-        return candidates[self._turn :] + candidates[: self._turn]
+        return [(p, *work[p]) for p in candidates[self._turn :] + candidates[: self._turn]]
 
-    def _poll_one(self, partition: int, want: int, using: Using) -> list[TopicDelivery]:
-        """Up to ``want`` deliveries of one held partition, in a transaction of its own (or the caller's)."""
-        epoch = self._held.get(partition)
-        if epoch is None:
-            return []
-        got = self.ctx.runner.run(
-            using, functools.partial(self._poll_partition, p=partition, e=epoch, want=want), "transaction"
+    def _poll_batch(self, batch: list[tuple[int, int]], want: int, using: Using) -> list[TopicDelivery]:
+        """Up to ``want`` deliveries of a batch of held partitions, in a transaction of its own (or the caller's)."""
+        got, lost = self.ctx.runner.run(
+            using, functools.partial(self._poll_partitions, batch=batch, want=want), "transaction"
         )
-        if got is None:
+        for partition in lost:
             self._drop(partition)
-            return []
         return got
 
     def _poll_failed(self, partition: int, exc: Exception) -> None:
@@ -306,7 +344,7 @@ class Subscription:
         comes first (partitions take turns) raises the error if it persists."""
         first_line = str(exc).strip().partition("\n")[0]
         log.warning(
-            "poll of %s[%d] failed (%s: %s); returning the earlier partitions' deliveries",
+            "poll of %s[%d…] failed (%s: %s); returning the earlier partitions' deliveries",
             self.topic,
             partition,
             type(exc).__name__,
@@ -320,15 +358,23 @@ class Subscription:
 
     def advance_watermarks(self, *, using: Using = None) -> dict[int, int]:
         """Advance the watermark of every partition held past its contiguous done messages, and delete the
-        delivery states behind it. Polls do it for the partitions they visit; a worker calls this on a
-        tick so partitions that no poll visits catch up too. One read, then one transaction per partition
-        held with messages above its watermark. Returns the watermarks of the partitions held."""
+        delivery states behind it. Acks in order move it themselves; polls do it for the partitions they
+        visit; a worker calls this on a tick so partitions that no poll visits catch up too. One read,
+        then one transaction per partition held with rows above its watermark; partitions with messages
+        above the watermark whose lease was lost (one more read, when there are any) are forgotten.
+        Returns the watermarks of the partitions held."""
         marks: dict[int, int] = {}
         progress = self._progress(using)
+        unchecked: list[int] = []
         for partition, epoch in sorted(self._held.items()):
-            mark, head = progress.get(partition, (0, 0))
-            if head <= mark:
+            found = progress.get(partition)
+            mark = 0 if found is None else int(found.acked_offset)
+            if found is None or int(found.head) <= mark:
                 marks[partition] = mark
+                continue
+            if int(found.marked_upto) <= mark:  # no rows: nothing to pass (in-order acks moved it)
+                marks[partition] = mark
+                unchecked.append(partition)
                 continue
 
             def op(conn: Connection, dialect: Dialect, p: int = partition, e: int = epoch) -> int | None:
@@ -340,11 +386,17 @@ class Subscription:
                 advanced, _, _ = self._scan(conn, stmts, key, int(row.now))
                 return advanced
 
-            found = self.ctx.runner.run(using, op, "transaction")
-            if found is None:
+            advanced = self.ctx.runner.run(using, op, "transaction")
+            if advanced is None:
                 self._drop(partition)
             else:
-                marks[partition] = found
+                marks[partition] = advanced
+        if unchecked:
+            leases = self._leases_now(using)
+            for partition in unchecked:
+                if leases.get(partition) != self._held.get(partition):
+                    self._drop(partition)
+                    del marks[partition]
         return marks
 
     def watermarks(self, *, using: Using = None) -> dict[int, int]:
@@ -358,34 +410,82 @@ class Subscription:
 
     # -- outcomes -----------------------------------------------------------------------------------
     def ack(self, delivery: TopicDelivery, *, using: Using = None) -> bool:
-        """See ``TopicDelivery.ack``. One transaction: lock the lease (shared), mark the delivery acked."""
-
-        def op(conn: Connection, stmts: TopicStatements, key: dict[str, Any], now: int) -> bool:
-            return conn.execute(stmts.ack, self._this(key, delivery)).rowcount == 1
-
-        return bool(self._fenced(delivery, op, using))
+        """See ``TopicDelivery.ack``. One transaction: lock the lease (shared), then move the watermark past
+        it when it is next in order, else mark it acked through its row."""
+        return self.ack_many([delivery], using=using)[0]
 
     def ack_many(self, deliveries: list[TopicDelivery], *, using: Using = None) -> list[bool]:
-        """Ack several deliveries in one transaction: per partition, in ascending order, its lease locked
-        (shared) and one UPDATE of its deliveries, each by its offset and attempt count. A result per
-        delivery (one whose lease was lost is False; one listed twice is acked by its first entry)."""
-        by_lease: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
-        for i, d in enumerate(deliveries):
-            by_lease.setdefault((d.partition, d.epoch), {}).setdefault((d.offset, d.attempts), i)
+        """Ack several deliveries in one transaction: the leases of their partitions locked (shared, one
+        statement), the partitions whose deliveries are next in order acked by moving their watermarks
+        (one statement), the others through their rows, each by its offset and attempt count. A result
+        per delivery (one whose lease was lost is False; one listed twice is acked by its first entry)."""
+        by_lease = self._by_lease(deliveries)
         if not by_lease:
             return []
 
         def op(conn: Connection, dialect: Dialect) -> set[int]:
-            stmts = self.ctx.stmts(dialect)
-            acked: set[int] = set()
-            for (partition, epoch), firsts in sorted(by_lease.items()):
-                key = self._key(partition)
-                if conn.execute(stmts.hold_shared, self._fence(key, epoch)).first() is not None:
-                    acked.update(firsts[pair] for pair in stmts.ack_each(conn, key, list(firsts)))
-            return acked
+            return self._ack_in(conn, self.ctx.stmts(dialect), by_lease)
 
         acked = self.ctx.runner.run(using, op, "transaction")
         return [i in acked for i in range(len(deliveries))]
+
+    @staticmethod
+    def _by_lease(deliveries: list[TopicDelivery]) -> dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]]:
+        """(partition, epoch) -> (offset, attempts) -> (the first index it has in ``deliveries``, its deadline)."""
+        by_lease: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]] = {}
+        for i, d in enumerate(deliveries):
+            by_lease.setdefault((d.partition, d.epoch), {}).setdefault(
+                (d.offset, d.attempts), (i, to_ms(d.invisible_until))
+            )
+        return by_lease
+
+    def _ack_in(
+        self,
+        conn: Connection,
+        stmts: TopicStatements,
+        by_lease: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]],
+    ) -> set[int]:
+        """Ack in ``conn``'s transaction; the indexes acked."""
+        g = {"group": self.group, "topic_name": self.topic}
+        parts = sorted({p for p, _ in by_lease})
+        fenced = conn.execute(
+            stmts.fence_many_shared, {**g, "me": self.name, "parts": parts, **self.ctx.now_param()}
+        ).all()
+        if not fenced:
+            return set()
+        epochs = {int(r.partition): int(r.epoch) for r in fenced}
+        now = int(fenced[0].now)
+        held = {pe: firsts for pe, firsts in by_lease.items() if epochs.get(pe[0]) == pe[1]}
+        runs: dict[int, tuple[int, int]] = {}
+        for (p, _), firsts in held.items():
+            offsets = sorted(o for o, _ in firsts)
+            if all(a == 1 for _, a in firsts) and offsets[-1] - offsets[0] == len(offsets) - 1:
+                runs[p] = (offsets[0] - 1, offsets[-1])
+        in_order = stmts.ack_runs(conn, g, runs, now) if runs else set()
+        acked: set[int] = set()
+        for (p, _), firsts in sorted(held.items()):
+            if p in in_order:
+                acked.update(i for i, _ in firsts.values())
+                continue
+            key = self._key(p)
+            self._materialize(conn, stmts, key, [(o, a, until) for (o, a), (_, until) in firsts.items()])
+            acked.update(firsts[pair][0] for pair in stmts.ack_each(conn, key, list(firsts)))
+        return acked
+
+    def _materialize(
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], items: list[tuple[int, int, int]]
+    ) -> None:
+        """Give the deliveries ``items`` (offset, attempts, deadline) of the range a row each (pending, attempt
+        1), unless they have one: only those still in the range (docs/topics.md, "Delivery state")."""
+        ones = sorted((offset, until) for offset, attempts, until in items if attempts == 1)  # (others: rows)
+        if len(ones) > 1:
+            span = {**key, "low": ones[0][0], "offset": ones[-1][0]}
+            if conn.execute(stmts.mark_span, span).rowcount == 1:  # all in the range: two statements
+                conn.execute(stmts.materialize, [{**key, "offset": o, "until": until} for o, until in ones])
+                return
+        for offset, until in ones:
+            if conn.execute(stmts.mark, {**key, "offset": offset}).rowcount == 1:
+                conn.execute(stmts.materialize, {**key, "offset": offset, "until": until})
 
     def nack(
         self,
@@ -452,10 +552,7 @@ class Subscription:
         def op(conn: Connection, dialect: Dialect) -> T:
             result = handler(conn)
             self.ctx.runner.bound_calls(conn)  # delayq's calls from here, the COMMIT included
-            stmts = self.ctx.stmts(dialect)
-            key = self._key(delivery.partition)
-            lost = conn.execute(stmts.hold_shared, self._fence(key, delivery.epoch)).first() is None
-            if lost or conn.execute(stmts.ack, self._this(key, delivery)).rowcount != 1:
+            if not self._ack_in(conn, self.ctx.stmts(dialect), self._by_lease([delivery])):
                 raise LeaseLostError(
                     f"{self.name} lost offset {delivery.offset} of {self.topic}[{delivery.partition}]: rolled back"
                 )
@@ -481,22 +578,22 @@ class Subscription:
 
         return self.ctx.runner.run(using, op, "read")
 
-    def _progress(self, using: Using) -> dict[int, tuple[int, int]]:
-        """Each partition held: (the group's watermark, the partition's head). One read: of the group's
-        partitions when this subscriber holds more than half of them (no list of partitions to bind),
-        else of those it holds."""
+    def _progress(self, using: Using) -> dict[int, Any]:
+        """Each partition held: its row of the group's state (watermark, delivered offset, range deadline,
+        rows' reach), the partition's head and now. One read: of the group's partitions when this
+        subscriber holds more than half of them (no list of partitions to bind), else of those it holds."""
         held = self._held
         if not held:
             return {}
 
-        def op(conn: Connection, dialect: Dialect) -> dict[int, tuple[int, int]]:
+        def op(conn: Connection, dialect: Dialect) -> dict[int, Any]:
             stmts = self.ctx.stmts(dialect)
-            group = {"group": self.group, "topic_name": self.topic}
+            group = {"group": self.group, "topic_name": self.topic, **self.ctx.now_param()}
             if self._partitions is not None and 2 * len(held) > self._partitions:
                 rows = conn.execute(stmts.group_progress, group)
             else:
                 rows = conn.execute(stmts.with_work, {**group, "parts": sorted(held)})
-            return {int(r.partition): (int(r.acked_offset), int(r.head)) for r in rows if r.partition in held}
+            return {int(r.partition): r for r in rows if r.partition in held}
 
         return self.ctx.runner.run(using, op, "read")
 
@@ -525,6 +622,7 @@ class Subscription:
             row = conn.execute(stmts.hold_shared, self._fence(key, delivery.epoch)).first()
             if row is None:
                 return lost
+            self._materialize(conn, stmts, key, [(delivery.offset, delivery.attempts, to_ms(delivery.invisible_until))])
             return op(conn, stmts, key, int(row.now))
 
         return self.ctx.runner.run(using, run, "transaction")
@@ -568,22 +666,145 @@ class Subscription:
             conn.execute(stmts.forget_states, {**key, "upto": new})
         return new, [o for o in offsets if o > new], states
 
-    def _poll_partition(
-        self, conn: Connection, dialect: Dialect, p: int, e: int, want: int
-    ) -> list[TopicDelivery] | None:
-        partition, epoch = p, e
+    def _poll_partitions(
+        self, conn: Connection, dialect: Dialect, batch: list[tuple[int, int]], want: int
+    ) -> tuple[list[TopicDelivery], set[int]]:
+        """A batch's poll, in ``conn``'s transaction: (the deliveries, the partitions whose lease was lost).
+
+        The fences of the batch and their offsets rows, locked by one statement; the partitions in the common case (no
+        rows, the range not expired) read their log ranges in one statement and move their ranges in
+        another; the others are scanned one by one (docs/topics.md, "Delivery state")."""
         stmts = self.ctx.stmts(dialect)
+        g = {"group": self.group, "topic_name": self.topic}
+        epochs = {p: e for p, e in ((p, self._held.get(p)) for p, _ in batch) if e is not None}
+        lost = {p for p, _ in batch if p not in epochs}
+        if not epochs:
+            return [], lost
+        fenced = conn.execute(
+            stmts.fence_many, {**g, "me": self.name, "parts": sorted(epochs), **self.ctx.now_param()}
+        ).all()
+        states = {int(r.partition): r for r in fenced if epochs[int(r.partition)] == int(r.epoch)}
+        held = set(states)
+        lost |= set(epochs) - held
+        if not held:
+            return [], lost
+        now = int(fenced[0].now)
+        until = now + self._visibility_ms
+        out: list[TopicDelivery] = []
+        ranges: list[tuple[int, int, int]] = []
+        left = want
+        for p, head in batch:
+            r = states.get(p)
+            if p not in held or r is None or left <= 0:
+                continue
+            mark = int(r.acked_offset)
+            sent = max(mark, int(r.delivered_offset))
+            if int(r.marked_upto) > mark or (sent > mark and int(r.range_until) <= now):
+                got = self._scan_partition(conn, stmts, p, epochs[p], now, left, (mark, sent, int(r.range_until)))
+                out.extend(got)
+                left -= len(got)
+                continue
+            if self.strict and sent > mark:
+                continue  # one in flight already
+            room = min(left, mark + self.scan_limit - sent, head - sent, 1 if self.strict else left)
+            if room > 0:
+                ranges.append((p, sent, sent + room))
+                left -= room
+        if ranges:
+            out.extend(self._deliver_ranges(conn, stmts, ranges, epochs, now, until))
+        return out, lost
+
+    def _deliver_ranges(
+        self,
+        conn: Connection,
+        stmts: TopicStatements,
+        ranges: list[tuple[int, int, int]],
+        epochs: dict[int, int],
+        now: int,
+        until: int,
+    ) -> list[TopicDelivery]:
+        """The common case: read the log ranges with their payloads, move each partition's delivered offset
+        to the last offset read and its range deadline to ``until``. A message that does not decode goes
+        to the dead-letter topic (a row of its own)."""
+        g = {"group": self.group, "topic_name": self.topic}
+        out: list[TopicDelivery] = []
+        sent: dict[int, int] = {}
+        doomed: list[tuple[int, Any, str]] = []
+        for row in stmts.read_ranges(conn, g, ranges, self.topic.endswith(DLQ_SUFFIX)):  # (its failure columns)
+            p = int(row.partition)
+            sent[p] = int(row.message_offset)
+            try:
+                payload = self._decode(row)
+            except SerializationMismatchError as exc:
+                if has_dead_letter_topic(self.topic):  # else no dead-letter topic: it stays in flight, undelivered
+                    doomed.append((p, row, str(exc)))
+                continue
+            out.append(self._delivery(row, p, epochs[p], 1, until, payload))
+        if sent:
+            stmts.set_ranges(conn, g, sent, until)
+        for p, row, error in doomed:
+            self._bury_fresh(conn, stmts, self._key(p), row, now, error)
+        return out
+
+    def _bury_fresh(
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], row: Any, now: int, error: str
+    ) -> None:
+        """Dead-letter a message never delivered (it does not decode): a row at attempt 0 to bury."""
+        offset = int(row.message_offset)
+        conn.execute(
+            stmts.insert_state,
+            [
+                {"consumer_group": self.group, "topic": self.topic, "partition": key["part"], "message_offset": offset}
+                | {"status": PENDING, "invisible_until": now, "attempts": 0}
+            ],
+        )
+        conn.execute(stmts.raise_mark, {**key, "offset": offset})
+        bury(conn, stmts, self.ctx.now_param(), key, row, 0, error)
+
+    def _expire_range(
+        self, conn: Connection, stmts: TopicStatements, key: dict[str, Any], mark: int, sent: int, deadline: int
+    ) -> None:
+        """The range's deadline passed: give each of its messages without a row one (pending, attempt 1,
+        invisible until the deadline), so they are delivered again through their rows, attempts counted."""
+        have = {int(r.message_offset) for r in conn.execute(stmts.states, {**key, "after": mark, "upto": sent})}
+        missing = [int(o) for o in conn.execute(stmts.offsets_between, {**key, "after": mark, "upto": sent}).scalars()]
+        rows = [
+            {"consumer_group": self.group, "topic": self.topic, "partition": key["part"], "message_offset": o}
+            | {"status": PENDING, "invisible_until": deadline, "attempts": 1}
+            for o in missing
+            if o not in have
+        ]
+        if rows:
+            conn.execute(stmts.insert_state, rows)
+        conn.execute(stmts.raise_mark, {**key, "offset": sent})
+
+    def _scan_partition(
+        self,
+        conn: Connection,
+        stmts: TopicStatements,
+        partition: int,
+        epoch: int,
+        now: int,
+        want: int,
+        progress: tuple[int, int, int],
+    ) -> list[TopicDelivery]:
+        """A partition with rows or an expired range: the scan of ``scan_limit`` offsets above its watermark
+        (after its fence, in the poll's transaction). ``progress``: its watermark, delivered offset and range
+        deadline, as read under the lock."""
         key = self._key(partition)
-        held = conn.execute(stmts.hold_exclusive, self._fence(key, epoch)).first()
-        if held is None:
-            return None
-        now = int(held.now)
+        mark, sent, deadline = progress
+        if sent > mark and deadline <= now:
+            self._expire_range(conn, stmts, key, mark, sent, deadline)
         _, offsets, states = self._scan(conn, stmts, key, now)
         fresh: list[int] = []
         again: dict[int, int] = {}
         doomed: dict[int, tuple[int, str | None]] = {}
         for o in offsets:
             state = states.get(o)
+            if state is None and o <= sent:  # in the range (not expired: those have rows now)
+                if self.strict:
+                    break
+                continue
             if state is not None and state.status != PENDING:
                 continue
             if state is not None and state.invisible_until > now:
@@ -609,36 +830,28 @@ class Subscription:
         }
         out: list[TopicDelivery] = []
         until = now + self._visibility_ms
+        undecodable: dict[int, str] = {}
         for o in sorted([*fresh, *again]):
             row = rows[o]
             try:
                 payload = self._decode(row)
             except SerializationMismatchError as exc:
                 if has_dead_letter_topic(self.topic):  # else no dead-letter topic: it stays in flight, undelivered
-                    doomed[o] = (again.get(o, 0), str(exc))
+                    if o in again:
+                        doomed[o] = (again[o], str(exc))
+                    else:
+                        undecodable[o] = str(exc)
                 continue
             out.append(self._delivery(row, partition, epoch, again.get(o, 0) + 1, until, payload))
-        new_rows = [
-            {"consumer_group": self.group, "topic": self.topic, "partition": partition, "message_offset": o}
-            | {"status": PENDING, "invisible_until": until, "attempts": 1}
-            for o in fresh
-            if o not in doomed
-        ]
-        if new_rows:
-            conn.execute(stmts.insert_state, new_rows)
+        if fresh:  # into the range
+            conn.execute(stmts.set_range, {**key, "sent": max(fresh), "until": until})
         redelivered = [o for o in again if o not in doomed]
         if redelivered:
             conn.execute(stmts.redeliver, {**key, "offsets": redelivered, "until": until})
         for o, (attempts, error) in doomed.items():
-            if o in fresh:  # never delivered: give it a state to bury (a released one has a state at 0)
-                conn.execute(
-                    stmts.insert_state,
-                    [
-                        {"consumer_group": self.group, "topic": self.topic, "partition": partition, "message_offset": o}
-                        | {"status": PENDING, "invisible_until": now, "attempts": 0}
-                    ],
-                )
             bury(conn, stmts, self.ctx.now_param(), key, rows[o], attempts, error)
+        for o, error in undecodable.items():
+            self._bury_fresh(conn, stmts, key, rows[o], now, error)
         return out
 
     def _decode(self, row: Any) -> Any:
@@ -655,7 +868,7 @@ class Subscription:
 
     def _delivery(self, row: Any, partition: int, epoch: int, attempts: int, until: int, payload: Any) -> TopicDelivery:
         dead = None
-        if row.original_topic is not None:
+        if getattr(row, "original_topic", None) is not None:  # (read for dead-letter topics only)
             dead = DeadLetterInfo(
                 row.original_topic,
                 int(row.original_offset),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from delayq import observe
 from delayq.clock import Clock
@@ -135,21 +136,44 @@ class Topic:
         if not prepared:
             return []
 
-        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
-            stmts = self.ctx.stmts(dialect)
+        def located(conn: Connection, stmts: TopicStatements) -> list[tuple[int, str, str, bytes]]:
             if self._partitions is None:
                 self._partitions = self.ctx.partitions(conn, stmts, self.name)
-            n = self._partitions
-            items = [(partition_for(key, n), key, mid, payload) for key, mid, payload in prepared]
-            extra = None if headers is None else [{"headers": headers}] * len(items)
-            created = append(conn, stmts, self.ctx.now_param(), self.name, items, self.serializer.type_tag, extra)
+            return [(partition_for(key, self._partitions), key, mid, payload) for key, mid, payload in prepared]
+
+        def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self.ctx.stmts(dialect)
+            located_items = located(conn, stmts)
+            extra = None if headers is None else [{"headers": headers}] * len(located_items)
+            created = append(conn, stmts, self.ctx.now_param(), self.name, located_items, tag, extra)
             if self.notify and any(created):
                 _wake.notify(conn, dialect, self.ctx.tables, self.name)
             return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED for made in created]
 
+        def one(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
+            stmts = self.ctx.stmts(dialect)
+            made = stmts.publish_one(conn, self.name, located(conn, stmts)[0], tag)
+            return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED]
+
+        def wake(conn: Connection, dialect: Dialect) -> None:
+            _wake.notify(conn, dialect, self.ctx.tables, self.name)
+
+        tag = self.serializer.type_tag
         with observe.publishing_topic(self.name, len(prepared)) as added:  # (tracing: the publish's span)
             headers = _headers.encode(added)
-            outcomes = self.ctx.runner.run(using, op, "transaction")
+            outcomes: list[OfferOutcome] | None = None
+            one_statement = self.ctx.runner.dialect.writable_cte and self.ctx.clock is None and _owned(using)
+            if len(prepared) == 1 and headers is None and one_statement:
+                # One message without headers in delayq's own transaction: one autocommitted statement (see
+                # ``publish_one``), then the wake-up in its own (it follows the publish's commit).
+                try:
+                    outcomes = self.ctx.runner.run(using, one, "statement")
+                except IntegrityError:  # the same id published at this moment elsewhere: the general way
+                    outcomes = None
+                if outcomes is not None and self.notify and outcomes[0] is OfferOutcome.CREATED:
+                    self.ctx.runner.run(using, wake, "statement")
+            if outcomes is None:
+                outcomes = self.ctx.runner.run(using, op, "transaction")
         observe.count_topic("published", self.name, "", outcomes.count(OfferOutcome.CREATED))
         return outcomes
 
@@ -314,3 +338,8 @@ class Topic:
         deleted = int(conn.execute(stmts.collect, {**key, "upto": low}).rowcount)
         conn.execute(stmts.set_collected, {**key, "upto": low})
         return deleted
+
+
+def _owned(using: Using) -> bool:
+    """Whether ``using`` has delayq run its own transactions (None or an Engine)."""
+    return using is None or isinstance(using, Engine)

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 
 from delayq.clock import Clock, from_ms, to_ms
 from delayq.dialects import dialect_for
-from delayq.schema import DEFAULT_PREFIX, make_tables
+from delayq.schema import DEFAULT_PREFIX, TopicTables, make_tables
 from delayq.topics.names import DLQ_SUFFIX
 from delayq.topics.statements import PENDING
 
@@ -55,12 +55,51 @@ class GroupSummary:
     subscribers: int
 
 
+def _in_flight(conn: sa.Connection, t: TopicTables, topic: str, group: str | None) -> dict[tuple[str, int], int]:
+    """Deliveries in flight per (group, partition) of ``topic`` (of ``group`` alone when given): the pending
+    rows above the watermark, plus the offsets of the in-flight range that have no row (counted by offsets;
+    docs/topics.md, "Delivery state")."""
+    off, dl = t.offsets, t.deliveries
+    same = sa.and_(
+        dl.c.consumer_group == off.c.consumer_group, dl.c.topic == off.c.topic, dl.c.partition == off.c.partition
+    )
+    above = dl.c.message_offset > off.c.acked_offset
+    counts = (
+        sa.select(
+            off.c.consumer_group,
+            off.c.partition,
+            sa.func.sum(sa.case((sa.and_(above, dl.c.status == PENDING), 1), else_=0)).label("pending_rows"),
+            sa.func.sum(sa.case((sa.and_(above, dl.c.message_offset <= off.c.delivered_offset), 1), else_=0)).label(
+                "range_rows"
+            ),
+        )
+        .select_from(off.join(dl, same))
+        .where(off.c.topic == topic, *(() if group is None else (off.c.consumer_group == group,)))
+        .group_by(off.c.consumer_group, off.c.partition)
+    )
+    ranges = sa.select(off.c.consumer_group, off.c.partition, off.c.acked_offset, off.c.delivered_offset).where(
+        off.c.topic == topic,
+        off.c.delivered_offset > off.c.acked_offset,
+        *(() if group is None else (off.c.consumer_group == group,)),
+    )
+    found: dict[tuple[str, int], int] = {}
+    rows = {(r.consumer_group, int(r.partition)): r for r in conn.execute(counts)}
+    for r in rows.values():
+        found[(r.consumer_group, int(r.partition))] = int(r.pending_rows or 0)
+    for r in conn.execute(ranges):
+        k = (r.consumer_group, int(r.partition))
+        marked = rows.get(k)
+        in_range = int(r.delivered_offset) - int(r.acked_offset) - (int(marked.range_rows or 0) if marked else 0)
+        found[k] = found.get(k, 0) + max(0, in_range)
+    return found
+
+
 def list_groups(
     engine: Engine, topic: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
 ) -> list[GroupSummary]:
     """Every consumer group reading ``topic``, by name (three reads)."""
     t = make_tables(table_prefix, schema).topics
-    off, heads, dl, sub = t.offsets, t.heads, t.deliveries, t.subscribers
+    off, heads, sub = t.offsets, t.heads, t.subscribers
     progress = (
         sa.select(
             off.c.consumer_group,
@@ -72,11 +111,6 @@ def list_groups(
         .group_by(off.c.consumer_group)
         .order_by(off.c.consumer_group)
     )
-    pending = (
-        sa.select(dl.c.consumer_group, sa.func.count().label("n"))
-        .where(dl.c.topic == topic, dl.c.status == PENDING)
-        .group_by(dl.c.consumer_group)
-    )
     members = (
         sa.select(sub.c.consumer_group, sa.func.count().label("n"))
         .where(sub.c.topic == topic, sub.c.deregistered_at.is_(None))
@@ -84,7 +118,9 @@ def list_groups(
     )
     with engine.connect() as conn:
         found = conn.execute(progress).all()
-        in_flight = {r.consumer_group: int(r.n) for r in conn.execute(pending)}
+        in_flight: dict[str, int] = {}
+        for (g, _), n in _in_flight(conn, t, topic, None).items():
+            in_flight[g] = in_flight.get(g, 0) + n
         live = {r.consumer_group: int(r.n) for r in conn.execute(members)}
     return [
         GroupSummary(
@@ -153,27 +189,19 @@ def group_lag(
     ``clock``, as the subscribers' own).
     """
     t = make_tables(table_prefix, schema).topics
-    off, heads, le, dl = t.offsets, t.heads, t.leases, t.deliveries
-    pending = (
-        sa.select(dl.c.partition, sa.func.count().label("n"))
-        .where(dl.c.consumer_group == group, dl.c.topic == topic, dl.c.status == PENDING)
-        .group_by(dl.c.partition)
-        .subquery()
-    )
+    off, heads, le = t.offsets, t.heads, t.leases
     query = (
         sa.select(
             off.c.partition,
             heads.c.head,
             off.c.acked_offset,
-            pending.c.n,
             le.c.holder,
             le.c.epoch,
             le.c.acquired_at,
             le.c.expires_at,
         )
         .select_from(
-            off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition))
-            .outerjoin(
+            off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)).outerjoin(
                 le,
                 sa.and_(
                     le.c.consumer_group == off.c.consumer_group,
@@ -181,13 +209,13 @@ def group_lag(
                     le.c.partition == off.c.partition,
                 ),
             )
-            .outerjoin(pending, pending.c.partition == off.c.partition)
         )
         .where(off.c.consumer_group == group, off.c.topic == topic)
         .order_by(off.c.partition)
     )
     with engine.connect() as conn:
         rows = conn.execute(query).all()
+        in_flight = _in_flight(conn, t, topic, group)
         if clock is not None:
             now = to_ms(clock.now())
         else:
@@ -198,7 +226,7 @@ def group_lag(
             int(r.head),
             int(r.acked_offset),
             int(r.head) - int(r.acked_offset),
-            int(r.n or 0),
+            in_flight.get((group, int(r.partition)), 0),
             r.holder,
             int(r.epoch or 0),
             from_ms(int(r.expires_at)) if r.holder is not None else None,
