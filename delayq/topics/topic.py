@@ -172,10 +172,9 @@ class Topic:
                     outcomes = None
                 if outcomes is not None and self.notify and outcomes[0] is OfferOutcome.CREATED:
                     self.ctx.runner.run(using, wake, "statement")
-            if outcomes is None:
-                outcomes = self.ctx.runner.run(using, op, "transaction")
-        observe.count_topic("published", self.name, "", outcomes.count(OfferOutcome.CREATED))
-        return outcomes
+            published = self.ctx.runner.run(using, op, "transaction") if outcomes is None else outcomes
+        observe.count_topic("published", self.name, "", published.count(OfferOutcome.CREATED))
+        return published
 
     # -- operators ------------------------------------------------------------------------------
     def heads(self, *, using: Using = None) -> list[PartitionInfo]:
