@@ -353,9 +353,11 @@ class Worker:
         queues = self._core.queue_sources
         while not self._stopped.is_set():
             try:
-                for queue_name in dialect.listen(self.engine, self._core.channel, self._stopped):
+                for said in dialect.listen(self.engine, self._core.channel, self._stopped, cancels=True):
                     errors = 0
-                    if queue_name in queues:
+                    if self._core.heard_cancel(said):
+                        continue
+                    if said in queues:
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1

@@ -47,6 +47,8 @@ class ClaimedRow(NamedTuple):
     created_at: int
     scheduled_at_initially: int
     lock_token: str
+    tags: str | None = None
+    """Its tags as stored (``delayq.tags``), mostly NULL."""
 
 
 def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
@@ -167,6 +169,7 @@ class Statements(Memo):
                 headers=None,
                 priority=_bp("new_priority", sa.Integer),
                 group_key=_bp("new_group", sa.String),
+                tags=None,  # (the replacing offer sets its own, in its transaction)
             )
         )
         self.mark_claimed = (
@@ -203,7 +206,9 @@ class Statements(Memo):
             {c.name: sa.bindparam(c.name, type_=c.type) for c in dead.c if c is not dead.c.id}
         )
         self.delete_held = sa.delete(m).where(held)
-        self.cancel = sa.delete(m).where(by_key)
+        # A queued message: not locked, or its lock expired (one whose handler runs is cancelled in a transaction
+        # that records it: ``delayq.queue._cancel``).
+        self.cancel = sa.delete(m).where(by_key, sa.or_(m.c.lock_token.is_(None), m.c.scheduled_at <= now))
         self.reschedule = (
             sa.update(m).where(by_key).values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
         )
@@ -346,12 +351,19 @@ class Dialect:
         """A statement that wakes the workers listening for ``:queue_name``."""
         return None
 
-    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
-        """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``)."""
+    @classmethod
+    def notify_cancel_statement(cls, tables: Tables) -> sa.Executable | None:
+        """A statement that tells the worker holding message ``:msg_id`` that it was cancelled (on commit);
+        None where there are no notifications (the worker's heartbeat finds the lock gone instead)."""
+        return None
+
+    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event, cancels: bool = False) -> Iterator[str]:
+        """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``); with
+        ``cancels``, also the ids notified on its cancel channel, each after ``CANCELLED`` (``_pg_listen``)."""
         raise NotImplementedError(f"{self.name} has no notifications")
 
-    def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
-        """``listen`` for an ``AsyncEngine``: the queue names notified on ``channel`` (where ``can_notify``)."""
+    def listen_async(self, engine: AsyncEngine, channel: str, cancels: bool = False) -> AsyncIterator[str]:
+        """``listen`` for an ``AsyncEngine`` (where ``can_notify``)."""
         raise NotImplementedError(f"{self.name} has no notifications")
 
     # -- transactions ---------------------------------------------------------------------------
@@ -448,8 +460,10 @@ class Dialect:
         # Unpacked by position (the columns of ``candidate_rows``): a Row's attribute lookup costs
         # more than the rest of the row's handling.
         return [
-            ClaimedRow(msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token)
-            for msg_id, key, payload, payload_type, due, attempts, created, initially, _ in rows
+            ClaimedRow(
+                msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token, tags
+            )
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, _ in rows
         ]
 
     def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:
@@ -519,6 +533,7 @@ def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:
         m.c.attempts,
         m.c.created_at,
         m.c.scheduled_at_initially,
+        m.c.tags,
         stmts.now.label("now"),
     )
 
