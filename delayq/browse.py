@@ -18,6 +18,7 @@ from delayq.clock import from_ms, to_ms
 from delayq.history import AttemptRecord, parse
 from delayq.queue import _views, claimed_at
 from delayq.schema import Tables
+from delayq.tags import decode_tags, tag_pattern
 
 
 class State(enum.Enum):
@@ -49,6 +50,8 @@ class StoredMessage:
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
     claimed_at: dt.datetime | None = None
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+    tags: tuple[str, ...] = ()
+    """The tags its offer gave it (``delayq.tags``)."""
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -69,6 +72,7 @@ class StoredMessage:
             "failed_at": None if self.failed_at is None else self.failed_at.isoformat(),
             "attempt_history": [r.to_json() for r in self.attempt_history],
             "claimed_at": None if self.claimed_at is None else self.claimed_at.isoformat(),
+            "tags": list(self.tags),
         }
 
 
@@ -109,8 +113,9 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    tag: str | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time; with ``tag``, those carrying it."""
     dead = state is State.DEAD
     rows = _views.list_rows(
         conn,
@@ -122,6 +127,7 @@ def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        tag_pattern=None if tag is None else tag_pattern(tag),
     )
     return [
         StoredMessage(
@@ -136,6 +142,7 @@ def list_messages(
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
+            tags=decode_tags(r.tags),
         )
         for r in rows
     ]

@@ -242,7 +242,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the async API (delayq.aio) ---------------------------------------------------------------
-AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions", "test_held", "test_errors", "test_cancel", "test_tags"}
+AIO_CONTRACT_MODULES = {
+    "test_offer",
+    "test_poll",
+    "test_transactions",
+    "test_held",
+    "test_errors",
+    "test_cancel",
+    "test_tags",
+}
 """Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
 AIO_SYNC_ONLY = {
     # Each builds sync engines of its own (connect_args, statement listeners) for the queue;

@@ -17,11 +17,11 @@ from typing import Any
 import sqlalchemy as sa
 from test_cancel import finished_rows
 from test_worker import wait_until
-from test_worker_contract import FAST, Driver, Running, driver  # noqa: F401  (the driver fixture)
+from test_worker_contract import FAST, Driver, Running
+from test_worker_contract import driver as driver  # the fixture
 
 from delayq import CancelOutcome, DelayedQueue, Delivery, ManualClock, RetryPolicy
 from delayq.aio import AsyncHandler
-from delayq.errors import DeliveryCancelledError
 from delayq.queue._cancel import FINISHED_CANCELLED
 
 VT = dt.timedelta(seconds=20)
@@ -97,9 +97,7 @@ def test_a_running_handler_is_told_recorded_cancelled_and_its_ack_changes_nothin
     assert (row.key, row.state, row.tags) == ("k", FINISHED_CANCELLED, ",report,")
 
 
-def test_a_handler_failing_after_its_cancel_is_not_retried(
-    driver: Driver, queue_name: str, clock: ManualClock
-) -> None:
+def test_a_handler_failing_after_its_cancel_is_not_retried(driver: Driver, queue_name: str, clock: ManualClock) -> None:
     """One handler raises an error once told, one stops with ``raise_if_cancelled``: no retry is scheduled, no dead
     letter made, and neither runs again."""
     runs: Counter[str] = Counter()

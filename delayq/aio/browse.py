@@ -29,6 +29,7 @@ async def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    tag: str | None = None,
 ) -> list[StoredMessage]:
     """A queue's messages (or dead letters, with ``State.DEAD``), by due time; see ``delayq.browse``."""
     view = functools.partial(
@@ -40,5 +41,6 @@ async def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        tag=tag,
     )
     return await conn.run_sync(view)

@@ -281,9 +281,9 @@ class AsyncDelayedQueue:
         """Make the message under ``key`` due at ``at`` (clearing any lock); True when there was one."""
         return await self._run(using, lambda u: self.sync.reschedule(key, at, using=u))
 
-    async def stats(self, *, using: AsyncUsing = None) -> QueueStats:
-        """Counts of this queue's messages by state, and the age of the oldest due one."""
-        return await self._run(using, lambda u: self.sync.stats(using=u))
+    async def stats(self, *, tag: str | None = None, using: AsyncUsing = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one (see ``DelayedQueue.stats``)."""
+        return await self._run(using, lambda u: self.sync.stats(tag=tag, using=u))
 
     async def dead_letters(self, *, limit: int = 100, after_id: int = 0, using: AsyncUsing = None) -> list[DeadMessage]:
         """This queue's dead letters, oldest first; page with ``after_id``."""

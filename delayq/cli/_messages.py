@@ -14,6 +14,7 @@ from delayq.browse import State, StoredMessage, database_now, keys_under, list_m
 from delayq.cli._common import STATE_COLOURS, Fail, _cell, connect, emit, friendly, json_value, relative
 from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
 from delayq.humanize import human, shorten
+from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import make_tables
 
@@ -25,6 +26,7 @@ PAYLOAD_SHOWN = 200
 @click.argument("queue")
 @click.option("--state", type=click.Choice([s.value for s in State]), help="Only messages in this state.")
 @click.option("--key-prefix", help="Only keys that start with this.")
+@click.option("--tag", help="Only messages (or dead letters) carrying this tag.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters).")
@@ -35,6 +37,7 @@ def ls(
     queue: str,
     state: str | None,
     key_prefix: str | None,
+    tag: str | None,
     limit: int,
     as_json: bool,
     full: bool,
@@ -56,8 +59,9 @@ def ls(
             now=now,
             key_prefix=key_prefix,
             limit=limit,
+            tag=tag,
         )
-        note = "" if found or as_json else unknown_queue_note(ctx, conn, queue)
+        note = "" if found or as_json or tag else unknown_queue_note(ctx, conn, queue)
     if note:
         click.echo(f"note: {note}", err=True)
     if as_json:
@@ -69,7 +73,8 @@ def ls(
     dead_only = state == State.DEAD.value
     rows = [_row(m, now, full) for m in found]
     when = ["failed"] if dead_only else ["due", "running"]
-    emit(rows, False, ["key", "state", *when, "attempts", "last_error", "payload"])
+    tagged = ["tags"] if any(m.tags for m in found) else []
+    emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload"])
 
 
 def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
@@ -81,6 +86,7 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
         "running": "" if (ran := m.running_for(now)) is None else human(ran),
         "attempts": m.attempts,
         "last_error": m.last_error,
+        "tags": ",".join(m.tags),
         "payload": m.payload if full else shorten(m.payload, PAYLOAD_SHOWN),
     }
 
@@ -192,15 +198,25 @@ def _common_prefix(keys: list[str]) -> str:
 @click.pass_context
 @friendly
 def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
-    """Delete a message, or every message under --key-prefix.
+    """Cancel a message, or delete every message under --key-prefix.
 
-    With --key-prefix, the messages listed and confirmed are deleted in chunks of at most 1,000 (a DELETE
-    of a longer prefix each, with a progress bar on stderr); one offered under such a prefix meanwhile goes too.
+    A message whose handler runs is recorded as cancelled and its worker told (it stops, and what it does after
+    changes nothing); the line says which it was. With --key-prefix, the messages listed and confirmed are deleted
+    in chunks of at most 1,000 (a DELETE of a longer prefix each, with a progress bar on stderr); one offered under
+    such a prefix meanwhile goes too. Running ones go too, unrecorded: their workers learn it at their next heartbeat.
     """
     if (key is None) == (key_prefix is None):
         raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
     if key is not None:
-        _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+        with connect(ctx) as (engine, conn):
+            conn.rollback()  # hold nothing while the cancel runs on its own connection
+            outcome = admin_queue(engine, ctx, queue).cancel_job(key)
+            if not outcome:
+                raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
+        if outcome is CancelOutcome.RUNNING:
+            click.echo(f"{queue}: cancelled running message {key}: its worker is told")
+        else:
+            click.echo(f"{queue}: cancelled queued message {key}")
         return
     assert key_prefix is not None
     with connect(ctx) as (engine, conn):

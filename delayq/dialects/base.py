@@ -212,22 +212,7 @@ class Statements(Memo):
         self.reschedule = (
             sa.update(m).where(by_key).values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
         )
-        due_now = m.c.scheduled_at <= now
-        locked = m.c.lock_token.is_not(None)
-
-        def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
-            return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
-
-        dead_count = sa.select(sa.func.count()).select_from(dead).where(dead.c.queue == queue).scalar_subquery()
-        self.stats = sa.select(
-            count(sa.and_(due_now, ~locked)).label("ready"),
-            count(sa.and_(~due_now, ~locked)).label("scheduled"),
-            count(sa.and_(~due_now, locked)).label("in_flight"),
-            count(sa.and_(due_now, locked)).label("expired_locks"),
-            dead_count.label("dead"),
-            sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
-            now.label("now"),
-        ).where(m.c.queue == queue)
+        self.stats = stats_statement(tables, now, tagged=False)
         self.next_due = sa.select(sa.func.min(m.c.scheduled_at).label("next_due"), now.label("now")).where(
             m.c.queue == queue
         )
@@ -595,6 +580,34 @@ def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:
     if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: the next one is U+E000
         following = 0xE000
     return {f"{name}_lo": prefix, f"{name}_hi": stem[:-1] + chr(following)}
+
+
+def stats_statement(tables: Tables, now: sa.ColumnElement[int], tagged: bool) -> sa.Select[Any]:
+    """Count a queue's messages by state, and its dead letters, in one statement; with ``tagged``, only those whose
+    tags match the LIKE pattern ``:tag_pattern`` (``delayq.tags.tag_pattern``, escaped with ``!``)."""
+    m, dead = tables.messages, tables.dead_letters
+    queue = _bp("queue_name", sa.String)
+    due_now = m.c.scheduled_at <= now
+    locked = m.c.lock_token.is_not(None)
+
+    def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
+
+    dead_where = [dead.c.queue == queue]
+    live_where = [m.c.queue == queue]
+    if tagged:
+        dead_where.append(dead.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+        live_where.append(m.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+    dead_count = sa.select(sa.func.count()).select_from(dead).where(*dead_where).scalar_subquery()
+    return sa.select(
+        count(sa.and_(due_now, ~locked)).label("ready"),
+        count(sa.and_(~due_now, ~locked)).label("scheduled"),
+        count(sa.and_(~due_now, locked)).label("in_flight"),
+        count(sa.and_(due_now, locked)).label("expired_locks"),
+        dead_count.label("dead"),
+        sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
+        now.label("now"),
+    ).where(*live_where)
 
 
 def purge_dead_statement(dialect: Dialect, tables: Tables, key: bool, key_prefix: bool) -> sa.Delete:

@@ -18,6 +18,7 @@ from delayq.dialects.base import (
     cancel_prefix_statement,
     coalesce_statements,
     prefix_bounds,
+    stats_statement,
 )
 from delayq.errors import InvalidInputError
 from delayq.messages import CancelOutcome, Message, QueueStats
@@ -27,7 +28,7 @@ from delayq.queue._cancel import DEFAULT_CANCELLED_RETENTION
 from delayq.queue._checks import At, _due, check_key, check_prefix
 from delayq.queue._history import statements as history_sql
 from delayq.queue._tokens import claimed_at
-from delayq.tags import decode_tags
+from delayq.tags import decode_tags, tag_pattern
 from delayq.transactions import Using
 
 
@@ -131,12 +132,17 @@ class _Queued(_QueueBase):
 
         return self._runner.run(using, op, "statement")
 
-    def stats(self, *, using: Using = None) -> QueueStats:
-        """Counts of this queue's messages by state, and the age of the oldest due one."""
+    def stats(self, *, tag: str | None = None, using: Using = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one; with ``tag``, of the
+        messages (and dead letters) carrying that tag only (a filter over the queue's rows: no index serves it)."""
         params = {"queue_name": self.name, **self._now_param()}
+        if tag is not None:
+            params["tag_pattern"] = tag_pattern(tag)
 
         def op(conn: Connection, dialect: Dialect) -> QueueStats:
-            r = conn.execute(self._statements(dialect).stats, params).one()
+            stmts = self._statements(dialect)
+            stmt = stmts.stats if tag is None else stmts.memo(_tagged_stats)
+            r = conn.execute(stmt, params).one()
             age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
             return QueueStats(
                 ready=int(r.ready),
@@ -217,6 +223,10 @@ class _Queued(_QueueBase):
         if not ids:
             return 0
         return int(conn.execute(self._statements(dialect_for(self.engine)).delete_ids, {"ids": ids}).rowcount)
+
+
+def _tagged_stats(stmts: Statements) -> sa.Select[Any]:
+    return stats_statement(stmts.tables, stmts.now, tagged=True)
 
 
 def _keys_between(stmts: Statements) -> sa.Select[Any]:

@@ -63,7 +63,9 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
     return list(conn.execute(_stmts(conn, tables).memo(_keys_under), params).scalars())
 
 
-def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool) -> sa.Select[Any]:
+def _rows(
+    stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool, by_tag: bool = False
+) -> sa.Select[Any]:
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
@@ -76,6 +78,7 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             t.c.failed_at,
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
+            t.c.tags,
         ).order_by(t.c.id)
     else:
         t = stmts.tables.messages
@@ -89,6 +92,7 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
             sa.null().label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
+            t.c.tags,
         ).order_by(t.c.scheduled_at, t.c.id)
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
@@ -104,6 +108,8 @@ def _rows(stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_
         stmt = stmt.where(stmts.starts_with(t.c.key))
     if by_key:
         stmt = stmt.where(t.c.key == sa.bindparam("msg_key"))
+    if by_tag:  # (``delayq.tags.tag_pattern``: ``_`` escaped with ``!``)
+        stmt = stmt.where(t.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
     return stmt
 
 
@@ -118,16 +124,20 @@ def list_rows(
     key_prefix: str | None,
     key: str | None,
     limit: int,
+    tag_pattern: str | None = None,
 ) -> Sequence[Row[Any]]:
     """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id. Columns: key, payload_type, payload, attempts, last_error,
-    attempt_history, failed_at, scheduled_at, lock_token (NULL where they do not apply)."""
+    with ``dead``, its dead letters by id; with ``tag_pattern`` (``delayq.tags.tag_pattern``), those carrying the tag.
+    Columns: key, payload_type, payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token
+    (NULL where they do not apply), tags."""
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None)
+    shape = (dead, None if dead else state, bool(key_prefix), key is not None, tag_pattern is not None)
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
+    if tag_pattern is not None:
+        params["tag_pattern"] = tag_pattern
     return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
 
 
