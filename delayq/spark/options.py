@@ -6,6 +6,8 @@ Every option is a string (Spark passes them so); names are case-insensitive.
   refused (executors could not share it).
 - ``queue`` or ``topic`` (exactly one): what is read or written.
 - ``dead`` (``false``): with ``queue``, read its dead letters instead of its live messages.
+- ``tag`` (none): with ``queue``, a batch read of only the messages (or dead letters) carrying this tag
+  (``offer(tags=)``); the database filters them (``tags LIKE '%,tag,%'``, no index).
 - ``group``: with ``topic``, a consumer group whose watermarks follow a streaming query's committed offsets,
   so ``delayq topics lag`` shows the query's lag and garbage collection keeps what it has not read. Use a
   group of its own: no ``Subscription`` may read it.
@@ -34,6 +36,7 @@ from delayq.engines import create_engine
 from delayq.errors import DelayqError, InvalidInputError, UnsupportedDatabaseError
 from delayq.queue import check_priority, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
+from delayq.tags import check_tag
 from delayq.topics.names import check_group, check_topic_stored
 
 KNOWN = {
@@ -41,6 +44,7 @@ KNOWN = {
     "queue",
     "topic",
     "dead",
+    "tag",
     "group",
     "table_prefix",
     "schema",
@@ -126,6 +130,7 @@ class SourceOptions:
     queue: str | None = None
     topic: str | None = None
     dead: bool = False
+    tag: str | None = None
     group: str | None = None
     table_prefix: str = DEFAULT_PREFIX
     schema: str | None = None
@@ -173,11 +178,20 @@ class SourceOptions:
             raise InvalidInputError(
                 "option 'dead' applies to a queue (a topic's dead letters are the topic {topic}_dlq)"
             )
+        tag = given.get("tag")
+        if tag is not None:
+            if queue is None:
+                raise InvalidInputError("option 'tag' applies to a queue only")
+            try:
+                check_tag(tag)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"option {exc}") from None
         return cls(
             url=url,
             queue=queue,
             topic=topic,
             dead=dead,
+            tag=tag,
             group=group,
             table_prefix=prefix,
             schema=given.get("schema") or None,
