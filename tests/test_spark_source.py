@@ -192,7 +192,7 @@ def test_the_tag_option_reads_only_the_messages_carrying_the_tag(
     assert [r["key"] for r in dead.select("key").collect()] == ["k0"]
     reader = DelayqReader(SourceOptions.parse({"url": backend.url, "queue": queue_name, "tag": "axb"}), MESSAGE_SCHEMA)
     assert sum(p.value.rows for p in reader.partitions()) == 0  # "_" is no wildcard
-    with pytest.raises(Exception, match="option 'tag'"):
+    with pytest.raises(Exception, match="option tag 'EU' must be"):
         SourceOptions.parse({"url": backend.url, "queue": queue_name, "tag": "EU"})
 
 
