@@ -125,3 +125,19 @@ def test_a_cancel_that_commits_first_fences_the_ack(queue: DelayedQueue, engine:
     assert queue.cancel_job("k") is CancelOutcome.RUNNING
     assert queue.ack_many([d]) == 0
     assert len(finished_rows(engine, queue.name)) == 1
+
+
+def test_a_queue_that_keeps_a_history_records_a_queued_cancel_too(
+    engine: sa.Engine, queue_name: str, clock: ManualClock
+) -> None:
+    """The hook a history-keeping queue sets (``_keeps_cancelled``): the cancel then always takes the transaction."""
+
+    class Keeping(DelayedQueue):
+        def _keeps_cancelled(self) -> bool:
+            return True
+
+    q = Keeping(engine, queue_name, clock=clock)
+    q.offer("k", 1, tags=["x"])
+    assert q.cancel_job("k") is CancelOutcome.QUEUED
+    [row] = finished_rows(engine, queue_name)
+    assert (row.key, row.state, row.tags, row.duration_ms) == ("k", FINISHED_CANCELLED, ",x,", None)
