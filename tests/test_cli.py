@@ -88,15 +88,19 @@ def test_cancel_says_which_it_did(backend: Backend, filled: DelayedQueue) -> Non
 
 def test_ls_and_stats_filter_by_tag(backend: Backend, queue_name: str) -> None:
     q = DelayedQueue(backend.engine, queue_name)
-    q.offer_many([("a", 1, None, ["eu"]), ("b", 2, None, ["eu", "vip"]), ("c", 3, None, ["us"]), ("d", 4, None)])
+    q.offer_many([("a", 1, None, ["eu"]), ("b", 2, None, ["eu", "vip"]), ("c", 3, None, ["us"])])
+    assert cli(backend, "enqueue", queue_name, "d", "4").exit_code == 0
+    assert cli(backend, "enqueue", queue_name, "e", "5", "--in", "1h", "--tag", "vip", "--tag", "eu").exit_code == 0
+    message = q.get("e")
+    assert message is not None and message.tags == ("eu", "vip")
     assert q.try_poll_many(10)[0].dead_letter("bad")  # a, the first due: a dead letter tagged eu
     listed = json.loads(cli(backend, "ls", queue_name, "--tag", "eu", "--json").output)
-    assert [(m["key"], m["tags"]) for m in listed] == [("b", ["eu", "vip"])]
+    assert [(m["key"], m["tags"]) for m in listed] == [("b", ["eu", "vip"]), ("e", ["eu", "vip"])]
     dead = json.loads(cli(backend, "ls", queue_name, "--state", "dead", "--tag", "eu", "--json").output)
     assert [m["key"] for m in dead] == ["a"]
     assert "eu,vip" in cli(backend, "ls", queue_name).output  # a tags column, as some message has tags
     [row] = json.loads(cli(backend, "stats", queue_name, "--tag", "eu", "--json").output)
-    assert (row["ready"], row["in_flight"], row["dead"]) == (0, 1, 1)
+    assert (row["ready"], row["in_flight"], row["scheduled"], row["dead"]) == (0, 1, 1, 1)
     [row] = json.loads(cli(backend, "stats", queue_name, "--tag", "none", "--json").output)
     assert (row["ready"], row["in_flight"], row["dead"]) == (0, 0, 0)
     bad = cli(backend, "stats", queue_name, "--tag", "EU")

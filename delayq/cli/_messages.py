@@ -247,6 +247,7 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
 @click.option("--update", is_flag=True, help="Replace a message already under KEY.")
 @click.option("--priority", default=0, show_default=True, help="Higher is claimed first (-1000 to 1000).")
 @click.option("--group", help="At most the queue's group concurrency (1) of one group run at once, in due order.")
+@click.option("--tag", "tags", multiple=True, help="A tag kept with the message (repeat for more).")
 @click.pass_context
 @friendly
 def enqueue(
@@ -259,6 +260,7 @@ def enqueue(
     update: bool,
     priority: int,
     group: str | None,
+    tags: tuple[str, ...],
 ) -> None:
     """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
     if at_text is not None and in_text is not None:
@@ -276,7 +278,7 @@ def enqueue(
     with connect(ctx) as (engine, conn):
         conn.rollback()
         q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
-        outcome = q.offer(key, value, at, update=update, priority=priority, group=group)
+        outcome = q.offer(key, value, at, update=update, priority=priority, group=group, tags=list(tags) or None)
     click.echo(f"{queue} {key}: {outcome.value}")
 
 
