@@ -43,6 +43,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_offer_encoded",
         "_keys_between",
         "_delete_ids",
+        "_cancel",  # the worker tells a delivery its message was cancelled (or its lock lost): Delivery.cancelled
+        "_cancelled",  # the delivery log reads whether it was, without making the event (observe.outcome)
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",
