@@ -77,8 +77,8 @@ class _Queued(_QueueBase):
         ``NOT_FOUND``: no message under ``key`` (an ack that committed first leaves none).
         """
         params = {"queue_name": self.name, "msg_key": check_key(key), **self._now_param()}
-        keep_ms = self._cancelled_retention_ms() if keep_for is None else duration_ms(keep_for, "keep_for")
-        if keep_ms < 0:
+        keep_ms = None if keep_for is None else duration_ms(keep_for, "keep_for")
+        if keep_ms is not None and keep_ms < 0:
             raise InvalidInputError("keep_for must not be negative")
         keeps = self._keeps_cancelled()
 
@@ -94,7 +94,8 @@ class _Queued(_QueueBase):
             if running or keeps:
                 claimed = claimed_at(row.lock_token) if running else None
                 took = None if claimed is None else max(0, int(row.now) - to_ms(claimed))
-                finished = cancel_sql.finished_row(row, cancel_sql.FINISHED_CANCELLED, keep_ms, took)
+                kept = self._cancelled_retention_ms() if keep_ms is None else keep_ms
+                finished = cancel_sql.finished_row(row, cancel_sql.FINISHED_CANCELLED, kept, took)
                 conn.execute(cs.insert_finished, finished)
             conn.execute(cs.delete_id, {"msg_id": row.id})
             if row.lock_token is not None and cs.notify is not None:  # (an expired lock's handler may run still)
