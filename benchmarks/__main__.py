@@ -4,7 +4,9 @@
     python -m benchmarks --quick               # small sizes, one run (CI runs this)
     python -m benchmarks --backends postgresql --json results.json
     python -m benchmarks --only topics         # topics (benchmarks/topics.py)
+    python -m benchmarks --only lifecycle      # the ack with retention 0 and on (benchmarks/lifecycle.py)
     python -m benchmarks --only "^offer|drain" # names that start with "offer" or contain "drain"
+    python -m benchmarks --web                 # the dashboard's page loads over 1,000,000 messages (benchmarks/web.py)
 
 Database URLs: DELAYQ_TEST_POSTGRES_URL, DELAYQ_TEST_MYSQL_URL (the local services by default);
 SQLite runs on a file in a temporary directory. Tables use the prefix ``bench_``. Every
@@ -39,8 +41,10 @@ import sqlalchemy as sa
 from benchmarks import asyncio as aio_bench
 from benchmarks import ceiling
 from benchmarks import flow as flow_bench
+from benchmarks import lifecycle as lifecycle_bench
 from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
+from benchmarks import topic_pickup as topic_pickup_bench
 from benchmarks import topics as topics_bench
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
@@ -741,6 +745,7 @@ def bench_backend(
         "stack: worker 1 x 100 slots (ceiling: API loop try_poll_many(100) + ack_many)",
         lambda: worker_drain(engine, q, sizes.consume_batch, 1, 100, ceiling_batch=100, api_ceiling=True),
     )
+    lifecycle_bench.measure_all(engine, PREFIX, sizes.consume_batch // 2, measure)  # benchmarks/lifecycle.py
     if stack_only:
         engine.dispose()
         return figures
@@ -807,6 +812,7 @@ def bench_backend(
     measure("worker no-op drain with metrics, 1 worker x 8 slots", metrics_drain)
     aio_bench.measure_all(engine, q, sizes, measure)  # delayq.aio beside the sync API
     topics_bench.measure_all(engine, sizes, measure)  # benchmarks/topics.py: topics beside their ceiling
+    topic_pickup_bench.measure_all(engine, sizes, measure)  # benchmarks/topic_pickup.py: NOTIFY on publish
     scale_figures = {
         f"scale: {label} with {sizes.future_rows:,} future rows vs empty": (i_empty, i_full)
         for label, i_empty, i_full in (("claim 100 + ack", 0, 1), ("offer (one per call)", 2, 3))
@@ -869,13 +875,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peers-n", type=int, default=5000, help="messages per peers run")
     parser.add_argument(
+        "--topic-scale",
+        action="store_true",
+        help="200 idle topic subscribers (processes x threads) over 2,000 partitions (benchmarks/topic_scale.py)",
+    )
+    parser.add_argument(
         "--soak", type=int, nargs="?", const=1_000_000, help="one worker, 100 slots, this many messages (1,000,000)"
+    )
+    parser.add_argument(
+        "--web", type=int, nargs="?", const=1_000_000, help="the dashboard's page loads over this many messages"
     )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.repeat:
         sizes.repeat = args.repeat
     figures: list[Figure] = []
+    if args.web:
+        from benchmarks import web as web_bench
+
+        backend = args.backends.split(",")[0] if args.backends != parser.get_default("backends") else "postgresql"
+        with tempfile.TemporaryDirectory() as tmp:
+            loads = web_bench.run(make_engine(backend, Path(tmp)), PREFIX, args.web)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(load) for load in loads], indent=2))
+        return 0
+    if args.topic_scale:
+        from benchmarks import topic_scale
+
+        for backend in args.backends.split(","):
+            if backend.strip() in URLS:
+                topic_scale.main(["--url", URLS[backend.strip()], *(["--json", str(args.json)] if args.json else [])])
+        return 0
     if args.peers or args.soak:
         from benchmarks import peers as peers_bench
         from benchmarks import soak as soak_bench

@@ -218,34 +218,46 @@ def pickup_latency(engine: sa.Engine, q: DelayedQueue, n: int) -> Result:
 
     async def body(aengine: AsyncEngine) -> Result:
         clear(engine)
-        started: dict[str, float] = {}
-        arrived = asyncio.Event()
-
-        class Stamp(AsyncHandler):
-            queue = "bench"
-
-            async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
-                started[delivery.key] = time.perf_counter()
-                arrived.set()
-
-        aq = AsyncDelayedQueue(aengine, "bench", table_prefix=PREFIX)
-        worker = AsyncWorker(aengine, [Stamp], table_prefix=PREFIX, concurrency=4)
-        worker.start()
-        lat: list[float] = []
-        try:
-            await asyncio.sleep(0.2)  # let it go idle (and LISTEN on PostgreSQL)
-            for i in range(n):
-                arrived.clear()
-                await aq.offer(f"l{i}", {"n": i})
-                committed = time.perf_counter()
-                await asyncio.wait_for(arrived.wait(), 10)
-                lat.append(started[f"l{i}"] - committed)
-                await asyncio.sleep(0.005 + 0.01 * (i % 3))  # idle between messages
-        finally:
-            await worker.stop()
+        lat = await pickups(aengine, n)
         return n / sum(lat), None, lat
 
     return on_loop(engine, body)
+
+
+def idle_gap(i: int) -> float:
+    """The pause after the i-th pickup: the worker goes idle between messages, for varied lengths."""
+    return 0.005 + 0.01 * (i % 3)
+
+
+async def pickups(aengine: AsyncEngine, n: int) -> list[float]:
+    """Offer ``n`` messages one at a time to an idle AsyncWorker on ``aengine``: the seconds from each offer's
+    commit to its handler's start (also ``python -m benchmarks --peers``'s AsyncWorker pickup latency)."""
+    started: dict[str, float] = {}
+    arrived = asyncio.Event()
+
+    class Stamp(AsyncHandler):
+        queue = "bench"
+
+        async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
+            started[delivery.key] = time.perf_counter()
+            arrived.set()
+
+    aq = AsyncDelayedQueue(aengine, "bench", table_prefix=PREFIX)
+    worker = AsyncWorker(aengine, [Stamp], table_prefix=PREFIX, concurrency=4)
+    worker.start()
+    lat: list[float] = []
+    try:
+        await asyncio.sleep(0.2)  # let it go idle (and LISTEN on PostgreSQL)
+        for i in range(n):
+            arrived.clear()
+            await aq.offer(f"l{i}", {"n": i})
+            committed = time.perf_counter()
+            await asyncio.wait_for(arrived.wait(), 10)
+            lat.append(started[f"l{i}"] - committed)
+            await asyncio.sleep(idle_gap(i))
+    finally:
+        await worker.stop()
+    return lat
 
 
 # -- the bridge alone -----------------------------------------------------------------------------

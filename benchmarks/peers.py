@@ -31,11 +31,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from benchmarks.asyncio import PREFIX, LostMessages, clear, count, fill, idle_gap, pickups
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
 from delayq.aio import AsyncDelayedQueue, AsyncDelivery, AsyncHandler, AsyncWorker
 
-PREFIX = "bench_"
-TABLE = f"{PREFIX}messages"
 PEERS_DB = "delayq_peers"
 ROWS = (
     "offer, one per call",
@@ -46,10 +45,6 @@ ROWS = (
     "drain worker, batch 100",
 )
 Rates = dict[str, float]
-
-
-class LostMessages(AssertionError):
-    pass
 
 
 def peers_url(url: str) -> str:
@@ -67,16 +62,6 @@ def dsn(url: str) -> str:
     return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def _clear(engine: sa.Engine) -> None:
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f"TRUNCATE {TABLE}")
-
-
-def _left(engine: sa.Engine) -> int:
-    with engine.connect() as conn:
-        return int(conn.exec_driver_sql(f"SELECT count(*) FROM {TABLE}").scalar_one())
-
-
 def _rate(n: int, start: float) -> float:
     return n / (time.perf_counter() - start)
 
@@ -88,7 +73,7 @@ def delayq_threads(url: str, n: int) -> Rates:
     rates: Rates = {}
     try:
         for size, batch in ((1, 1), (500, 100)):
-            _clear(engine)
+            clear(engine)
             start = time.perf_counter()
             for b in range(0, n, size):
                 if size == 1:
@@ -97,22 +82,17 @@ def delayq_threads(url: str, n: int) -> Rates:
                     q.offer_many([(f"k{i}", {"n": i}, None) for i in range(b, min(n, b + size))])
             rates[f"offer, {'one' if size == 1 else size} per call"] = _rate(n, start)
             rates[f"drain worker, batch {batch}"] = _worker_drain(engine, n, batch)
-            _fill(q, n)
+            fill(q, n, "f")
             start, done = time.perf_counter(), 0
             while got := q.try_poll_many(batch) if batch > 1 else [d for d in [q.try_poll()] if d]:
                 q.ack_many(got)
                 done += len(got)
             rates[f"drain API, batch {batch}"] = _rate(n, start)
-            if done != n or _left(engine):
+            if done != n or count(engine):
                 raise LostMessages(f"delayq API drain: {done} of {n}")
     finally:
         engine.dispose()
     return rates
-
-
-def _fill(q: DelayedQueue, n: int) -> None:
-    for b in range(0, n, 1000):
-        q.offer_many([(f"f{i}", {"n": i}, None) for i in range(b, min(n, b + 1000))])
 
 
 def _worker_drain(engine: sa.Engine, n: int, batch: int) -> float:
@@ -129,8 +109,8 @@ def _worker_drain(engine: sa.Engine, n: int, batch: int) -> float:
         time.sleep(0.002)
     rate = _rate(n, start)
     worker.stop()
-    if worker.handled != n or _left(engine):
-        raise LostMessages(f"delayq Worker: {worker.handled} of {n} handled, {_left(engine)} left")
+    if worker.handled != n or count(engine):
+        raise LostMessages(f"delayq Worker: {worker.handled} of {n} handled, {count(engine)} left")
     return rate
 
 
@@ -178,7 +158,7 @@ def delayq_aio(url: str, n: int, driver: str) -> Rates:
         rates: Rates = {}
         try:
             for size, batch in ((1, 1), (500, 100)):
-                _clear(sync_engine)
+                clear(sync_engine)
                 start = time.perf_counter()
                 for b in range(0, n, size):
                     if size == 1:
@@ -202,15 +182,15 @@ def delayq_aio(url: str, n: int, driver: str) -> Rates:
                     await asyncio.sleep(0.002)
                 rates[f"drain worker, batch {batch}"] = _rate(n, start)
                 await worker.stop()
-                if done != n or _left(sync_engine):
+                if done != n or count(sync_engine):
                     raise LostMessages(f"AsyncWorker ({driver}): {done} of {n}")
-                _fill(q, n)
+                fill(q, n, "f")
                 start, done = time.perf_counter(), 0
                 while got := await aq.try_poll_many(batch):
                     await aq.ack_many(got)
                     done += len(got)
                 rates[f"drain API, batch {batch}"] = _rate(n, start)
-                if done != n or _left(sync_engine):
+                if done != n or count(sync_engine):
                     raise LostMessages(f"delayq.aio API drain ({driver}): {done} of {n}")
         finally:
             await engine.dispose()
@@ -322,14 +302,10 @@ def procrastinate_rates(url: str, n: int) -> Rates:
 
 
 # -- pickup latency -------------------------------------------------------------------------------
-def _idle_gap(i: int) -> float:
-    return 0.005 + 0.01 * (i % 3)
-
-
 def pickup_threads(url: str, n: int) -> list[float]:
     engine = sa.create_engine(url, pool_size=5)
     q = DelayedQueue(engine, "bench", table_prefix=PREFIX)
-    _clear(engine)
+    clear(engine)
     started: dict[str, float] = {}
     arrived = threading.Event()
 
@@ -352,7 +328,7 @@ def pickup_threads(url: str, n: int) -> list[float]:
             if not arrived.wait(10):
                 raise LostMessages(f"pickup (Worker): l{i} not picked up within 10 s")
             lat.append(started[f"l{i}"] - committed)
-            time.sleep(_idle_gap(i))
+            time.sleep(idle_gap(i))
     finally:
         worker.stop()
         engine.dispose()
@@ -363,35 +339,12 @@ def pickup_aio(url: str, n: int, driver: str) -> list[float]:
     async def body() -> list[float]:
         engine = create_async_engine(async_url(url, driver), pool_size=5)
         sync_engine = sa.create_engine(url)
-        _clear(sync_engine)
-        started: dict[str, float] = {}
-        arrived = asyncio.Event()
-
-        class Stamp(AsyncHandler):
-            queue = "bench"
-
-            async def handle(self, delivery: AsyncDelivery, conn: Any = None) -> None:
-                started[delivery.key] = time.perf_counter()
-                arrived.set()
-
-        aq = AsyncDelayedQueue(engine, "bench", table_prefix=PREFIX)
-        worker = AsyncWorker(engine, [Stamp], table_prefix=PREFIX, concurrency=4)
-        worker.start()
-        lat: list[float] = []
         try:
-            await asyncio.sleep(0.2)
-            for i in range(n):
-                arrived.clear()
-                await aq.offer(f"l{i}", {"n": i})
-                committed = time.perf_counter()
-                await asyncio.wait_for(arrived.wait(), 10)
-                lat.append(started[f"l{i}"] - committed)
-                await asyncio.sleep(_idle_gap(i))
+            clear(sync_engine)
+            return await pickups(engine, n)
         finally:
-            await worker.stop()
             await engine.dispose()
             sync_engine.dispose()
-        return lat
 
     return asyncio.run(body())
 
@@ -423,7 +376,7 @@ def pickup_pgqueuer(url: str, n: int) -> list[float]:
                 committed = time.perf_counter()
                 await asyncio.wait_for(arrived.wait(), 10)
                 lat.append(stamps[-1] - committed)
-                await asyncio.sleep(_idle_gap(i))
+                await asyncio.sleep(idle_gap(i))
         finally:
             qm.shutdown.set()
             with contextlib.suppress(Exception):
@@ -466,7 +419,7 @@ def pickup_notify_ceiling(url: str, n: int) -> list[float]:
             if not arrived.wait(10):
                 raise LostMessages("raw NOTIFY not received within 10 s")
             lat.append(got[-1] - committed)
-            time.sleep(_idle_gap(i))
+            time.sleep(idle_gap(i))
     finally:
         thread.join(5)
         listener.close()
@@ -639,11 +592,11 @@ def mysql_workers(url: str, n: int, rounds: int) -> dict[str, float]:
     aurl = sa.make_url(url).set(drivername="mysql+asyncmy").render_as_string(hide_password=False)
 
     def threads(batch: int) -> float:
-        _fill(q, n)
+        fill(q, n, "f")
         return _worker_drain(engine, n, batch)
 
     def aio(batch: int) -> float:
-        _fill(q, n)
+        fill(q, n, "f")
 
         async def body() -> float:
             aengine = create_async_engine(aurl, pool_size=20)
@@ -666,7 +619,7 @@ def mysql_workers(url: str, n: int, rounds: int) -> dict[str, float]:
                 await worker.stop()
             finally:
                 await aengine.dispose()
-            if done != n or _left(engine):
+            if done != n or count(engine):
                 raise LostMessages(f"AsyncWorker (asyncmy): {done} of {n}")
             return rate
 
@@ -674,7 +627,7 @@ def mysql_workers(url: str, n: int, rounds: int) -> dict[str, float]:
 
     found: dict[str, float] = {}
     try:
-        _clear(engine)
+        clear(engine)
         print(f"\nMySQL/MariaDB, no-op drains of {n} messages, {rounds} interleaved round(s), msgs/s:")
         for batch in (1, 100):
             pairs: list[tuple[float, float]] = []

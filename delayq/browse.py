@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from delayq.clock import from_ms, to_ms
 from delayq.history import AttemptRecord, parse
-from delayq.queue import _views, claimed_at
+from delayq.queue import _views, _workers, claimed_at
 from delayq.schema import Tables
 from delayq.tags import decode_tags, tag_pattern
 
@@ -31,6 +31,10 @@ class State(enum.Enum):
     EXPIRED_LOCK = "expired-lock"
     """Held by a consumer whose lock expired: due for redelivery."""
     DEAD = "dead"
+    COMPLETED = "completed"
+    """Kept after its handler succeeded (``retention``, ``unique_for``), until pruned."""
+    CANCELLED = "cancelled"
+    """Kept after it was cancelled, until pruned."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,21 @@ class StoredMessage:
     attempt_history: tuple[AttemptRecord, ...] = field(default=())
     claimed_at: dt.datetime | None = None
     """When its current holder claimed it (a held message; None when not held, or locked by an older delayq)."""
+    id: int | None = None
+    """Its row's id (what the next page of ``list_messages`` starts after)."""
+    finished_at: dt.datetime | None = None
+    """When a kept message completed or was cancelled (None for others)."""
+    duration: dt.timedelta | None = None
+    """How long a completed message's handler ran, when known."""
+    result: Any = None
+    """A completed message's result, shown as its serializer tag allows (None when none was kept)."""
+
+    @property
+    def cursor(self) -> tuple[int, int, str]:
+        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id, key)."""
+        due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
+        return due, self.id or 0, self.key
+
     tags: tuple[str, ...] = ()
     """The tags its offer gave it (``delayq.tags``)."""
 
@@ -72,6 +91,9 @@ class StoredMessage:
             "failed_at": None if self.failed_at is None else self.failed_at.isoformat(),
             "attempt_history": [r.to_json() for r in self.attempt_history],
             "claimed_at": None if self.claimed_at is None else self.claimed_at.isoformat(),
+            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
+            "duration": None if self.duration is None else self.duration.total_seconds(),
+            "result": self.result,
             "tags": list(self.tags),
         }
 
@@ -113,10 +135,19 @@ def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
     tag: str | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time; with ``tag``, those carrying it."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
+    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue); with
+    ``tag``, only those carrying it.
+
+    Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
+    so a page deep in a big queue costs what the first does). Kept messages (``State.COMPLETED``,
+    ``State.CANCELLED``) go by id, the order they finished in."""
     dead = state is State.DEAD
+    kept = state in (State.COMPLETED, State.CANCELLED)
     rows = _views.list_rows(
         conn,
         tables,
@@ -127,13 +158,15 @@ def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
+        key_order=by_key and not dead,
         tag_pattern=None if tag is None else tag_pattern(tag),
     )
     return [
         StoredMessage(
             queue=queue,
             key=r.key,
-            state=State.DEAD if dead else _state(r.scheduled_at, r.lock_token, now),
+            state=state if (dead or kept) and state is not None else _state(r.scheduled_at, r.lock_token, now),
             payload_type=r.payload_type,
             payload=show_payload(r.payload_type, r.payload),
             scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
@@ -142,6 +175,10 @@ def list_messages(
             failed_at=None if r.failed_at is None else from_ms(r.failed_at),
             attempt_history=parse(r.attempt_history),
             claimed_at=claimed_at(r.lock_token),
+            id=int(r.id),
+            finished_at=None if r.finished_at is None else from_ms(r.finished_at),
+            duration=None if r.duration_ms is None else dt.timedelta(milliseconds=r.duration_ms),
+            result=None if r.result is None else show_payload(r.result_type or "", r.result),
             tags=decode_tags(r.tags),
         )
         for r in rows
@@ -153,6 +190,113 @@ def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State
     if lock_token is not None:
         return State.EXPIRED_LOCK if due else State.IN_FLIGHT
     return State.READY if due else State.SCHEDULED
+
+
+def arrival_marks(conn: sa.Connection, tables: Tables, queue: str, below: int) -> tuple[int, int | None, int]:
+    """A queue's live messages: how many, the highest id, and how many have an id at or below ``below``.
+
+    Two reads make a throughput (as ``delayq top`` and the dashboard show it): with ``below`` the first
+    read's highest id, the rows above it arrived since, and the first read's count minus the rows still at or
+    below it left (done, cancelled or dead-lettered). One statement; it reads every live message of the queue.
+    """
+    return _views.flow(conn, tables, queue, below)
+
+
+GONE_AFTER = dt.timedelta(seconds=60)
+"""A worker whose last heartbeat is older than this, and that did not stop cleanly, is gone (crashed, killed,
+frozen or cut off): its row stays for an hour, then a running worker deletes it. Workers beat every 10 s."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker (``Worker`` or ``AsyncWorker``) as its row in the worker registry says, at ``now``."""
+
+    id: str
+    name: str
+    """Its name (``host:pid:random``): what its topic handlers' subscriber names and its log lines carry."""
+    host: str
+    pid: int
+    driver: str
+    """"threads" (``Worker``) or "asyncio" (``AsyncWorker``)."""
+    queues: tuple[str, ...]
+    topics: tuple[str, ...]
+    """Its topic handlers, as ``topic/group``."""
+    slots: int
+    """Its concurrency."""
+    slots_in_use: int
+    """Slots taken at its last heartbeat."""
+    handled: int
+    """Deliveries it finished, as of its last heartbeat."""
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime
+    stopped_at: dt.datetime | None
+    now: dt.datetime
+    """The database's clock when the row was read."""
+
+    @property
+    def state(self) -> str:
+        """ "running", "stopped" (a clean stop) or "gone" (no heartbeat for ``GONE_AFTER``)."""
+        if self.stopped_at is not None:
+            return "stopped"
+        return "gone" if self.now - self.heartbeat_at > GONE_AFTER else "running"
+
+    @property
+    def since(self) -> dt.timedelta:
+        """How long it has run (until its stop, or its last heartbeat when gone)."""
+        end = self.now if self.state == "running" else self.heartbeat_at
+        return max(end - self.started_at, dt.timedelta(0))
+
+    @property
+    def last_heartbeat(self) -> dt.timedelta:
+        """How long ago its last heartbeat was."""
+        return max(self.now - self.heartbeat_at, dt.timedelta(0))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "host": self.host,
+            "pid": self.pid,
+            "driver": self.driver,
+            "queues": list(self.queues),
+            "topics": list(self.topics),
+            "slots": self.slots,
+            "slots_in_use": self.slots_in_use,
+            "handled": self.handled,
+            "state": self.state,
+            "started_at": self.started_at.isoformat(),
+            "heartbeat_at": self.heartbeat_at.isoformat(),
+            "stopped_at": None if self.stopped_at is None else self.stopped_at.isoformat(),
+            "since_seconds": self.since.total_seconds(),
+            "heartbeat_seconds": self.last_heartbeat.total_seconds(),
+        }
+
+
+def list_workers(conn: sa.Connection, tables: Tables) -> list[WorkerInfo]:
+    """The workers in the worker registry (running, stopped and gone ones from the last hour), oldest first.
+
+    One statement (two when the registry is empty). See docs/operations.md "Workers"."""
+    rows, now_ms = _workers.rows(conn, tables)
+    now = from_ms(now_ms)
+    return [
+        WorkerInfo(
+            id=r.id,
+            name=r.name,
+            host=r.host,
+            pid=int(r.pid),
+            driver=r.driver,
+            queues=tuple(json.loads(r.queues)),
+            topics=tuple(json.loads(r.topics)),
+            slots=int(r.slots),
+            slots_in_use=int(r.slots_in_use),
+            handled=int(r.handled),
+            started_at=from_ms(r.started_at),
+            heartbeat_at=from_ms(r.heartbeat_at),
+            stopped_at=None if r.stopped_at is None else from_ms(r.stopped_at),
+            now=now,
+        )
+        for r in rows
+    ]
 
 
 def database_now(conn: sa.Connection) -> dt.datetime:

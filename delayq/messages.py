@@ -64,6 +64,21 @@ class Message:
     """Whether a consumer's lock is set on it (the lock may have expired)."""
     attempt_history: tuple[AttemptRecord, ...] = ()
     """Its failed attempts, oldest first (bounded: see ``delayq.history``)."""
+    state: str = "ready"
+    """``ready`` (due), ``scheduled`` (not yet due), ``running`` (held under an unexpired lock), or once
+    finished and kept: ``completed``, ``cancelled``, ``dead`` (docs/lifecycle.md)."""
+    result: Any = None
+    """What its handler returned (``completed``, with ``keep_results``); None otherwise."""
+    duration: dt.timedelta | None = None
+    """How long its handler ran (``completed`` by a worker, or acked with ``duration=``); None otherwise."""
+    finished_at: dt.datetime | None = None
+    """When it completed, was cancelled or dead-lettered (database time); None while live."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether it completed, was cancelled or dead-lettered (kept: no longer live)."""
+        return self.finished_at is not None
+
     tags: tuple[str, ...] = ()
     """The tags its offer gave it, sorted (``delayq.tags``)."""
 
@@ -103,6 +118,10 @@ class QueueStats:
     """In the dead-letter table."""
     oldest_due_age: dt.timedelta | None
     """How long the oldest due message (ready or with an expired lock) has waited; None when none."""
+    completed: int = 0
+    """Kept as completed (``retention``, ``unique_for``) and not yet pruned."""
+    cancelled: int = 0
+    """Kept as cancelled and not yet pruned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +196,10 @@ class Delivery:
     lock_token: str
     _queue: _Owner = field(repr=False)
     _history: tuple[AttemptRecord, ...] | None = field(default=None, repr=False)
+    _result: Any = field(default=None, repr=False)
+    """What the handler returned, kept by the ack of a queue with a history (``ack(result=)``)."""
+    _duration_ms: int | None = field(default=None, repr=False)
+    """How long the handler ran, in milliseconds (``ack(duration=)``)."""
     _tags: str | None = field(default=None, repr=False)
     _cancelled: threading.Event | None = field(default=None, repr=False)
 
@@ -239,9 +262,21 @@ class Delivery:
             return f"{self.queue} #{self.id}"
         return f"{self.queue} {self.key!r}"
 
-    def ack(self, *, using: Using = None) -> bool:
-        """Delete the message; True when this delivery still held the lock."""
+    def ack(self, *, result: Any = None, duration: dt.timedelta | None = None, using: Using = None) -> bool:
+        """Delete the message (or keep it as completed: ``DelayedQueue(retention=)``, ``unique_for``);
+        True when this delivery still held the lock.
+
+        ``result`` (what the handler returned) and ``duration`` (how long it ran) are kept with a
+        completed message; a worker passes both.
+        """
+        self._finished_with(result, duration)
         return self._queue.ack_many([self], using=using) == 1
+
+    def _finished_with(self, result: Any, duration: dt.timedelta | None) -> None:
+        """Note the handler's result and run time for the ack (``ack_many`` of several deliveries)."""
+        self._result = result
+        if duration is not None:
+            self._duration_ms = max(0, round(duration.total_seconds() * 1000))
 
     def retry(
         self,

@@ -20,6 +20,19 @@ as ``delayq worker --metrics-port N`` does. What is exported:
   queue (none between scrapes): ``delayq_ready``, ``delayq_scheduled``, ``delayq_in_flight``,
   ``delayq_expired_locks``, ``delayq_dead``, ``delayq_oldest_due_age_seconds``, ``delayq_paused``.
 
+Topics (``register(..., topics=[Topic, ...])`` for the gauges):
+
+- counters: ``delayq_topic_published_total`` (label ``topic``), and per ``topic`` and ``group``
+  ``delayq_topic_delivered_total``, ``delayq_topic_acked_total``, ``delayq_topic_nacked_total``,
+  ``delayq_topic_dead_total`` (moved to ``{topic}_dlq``), ``delayq_topic_lease_lost_total``,
+  ``delayq_topic_rebalances_total`` (rebalances that changed what a subscriber holds);
+  ``delayq_topic_collected_total`` (``topic``: messages the worker's garbage collection deleted);
+- a histogram per topic, group and outcome: ``delayq_topic_handler_duration_seconds`` (from the poll to
+  the outcome recorded);
+- gauges per watched topic and group, read at scrape time (``list_groups``: three reads per topic):
+  ``delayq_topic_lag`` (messages published and not yet done), ``delayq_topic_in_flight``,
+  ``delayq_topic_subscribers``.
+
 Counting costs a dictionary look-up and a locked add per event (the Prometheus families are built when
 scraped): nothing a worker's database work notices.
 """
@@ -46,6 +59,7 @@ if TYPE_CHECKING:
 
     from delayq.messages import Delivery
     from delayq.queue import DelayedQueue
+    from delayq.topics import Topic, TopicDelivery
 
 __all__ = ["Metrics", "register", "serve"]
 
@@ -70,6 +84,21 @@ COUNTERS = {
     "dead_lettered": "Messages moved to the dead letters.",
     "lock_lost": "Deliveries whose lock was found gone (by a heartbeat, ack, retry or dead letter), once each.",
     "overdue": "Handlers found running past their Handler.timeout, once each (label: the queue or topic).",
+}
+TOPIC_COUNTERS: dict[observe.TopicEvent, tuple[str, str]] = {  # event: (metric, help)
+    "published": ("topic_published", "Messages published to a topic (created, not ignored duplicates)."),
+    "delivered": ("topic_delivered", "Topic messages handed to a worker's handler, per consumer group."),
+    "acked": ("topic_acked", "Topic messages acked after their handler returned, per consumer group."),
+    "nacked": ("topic_nacked", "Failed topic deliveries nacked for a later attempt, per consumer group."),
+    "dead": ("topic_dead", "Topic messages moved to the dead-letter topic, per consumer group."),
+    "lease_lost": ("topic_lease_lost", "Topic deliveries whose lease or delivery was found gone, per group."),
+    "rebalanced": ("topic_rebalances", "Rebalances that changed the partitions a subscriber holds, per group."),
+    "collected": ("topic_collected", "Topic messages deleted by the worker's garbage collection."),
+}
+TOPIC_GAUGES = {
+    "lag": "Messages of a topic published and not yet done by a consumer group.",
+    "in_flight": "A consumer group's topic deliveries in flight or waiting out a nack.",
+    "subscribers": "A consumer group's live subscribers.",
 }
 HISTOGRAMS = {  # name: (help, labels, bucket bounds)
     "handler_duration_seconds": ("Seconds a handler ran.", ("queue", "outcome"), DURATION_BUCKETS),
@@ -125,9 +154,17 @@ class Metrics(observe.Observer, Collector):
     reads_database = False
 
     def __init__(
-        self, registry: CollectorRegistry, queues: Iterable[DelayedQueue] = (), *, tag_labels: TagLabels = False
+        self,
+        registry: CollectorRegistry,
+        queues: Iterable[DelayedQueue] = (),
+        topics: Iterable[Topic] = (),
+        *,
+        tag_labels: TagLabels = False,
     ) -> None:
         self.queues: list[DelayedQueue] = list(queues)
+        self.topics: list[Topic] = list(topics)
+        self._topic_counts: dict[tuple[str, str, str], int] = {}  # (event, topic, group)
+        self._topic_durations: dict[tuple[str, str, str], _Histogram] = {}  # (topic, group, outcome)
         self._lock = threading.Lock()  # the queues watched
         self._counting = threading.Lock()  # the numbers below
         self._counts: dict[tuple[str, str], int] = {}  # (event, queue), deliveries apart
@@ -169,12 +206,30 @@ class Metrics(observe.Observer, Collector):
         with self._counting:
             self._counts[key] = self._counts.get(key, 0) + n
 
+    def topic_counted(self, event: observe.TopicEvent, topic: str, group: str, n: int) -> None:
+        key = (event, topic, group)
+        with self._counting:
+            self._topic_counts[key] = self._topic_counts.get(key, 0) + n
+
+    def topic_finished(
+        self, delivery: TopicDelivery, group: str, state: object, error: BaseException | None, duration: float
+    ) -> None:
+        key = (delivery.topic, group, observe.outcome(error))
+        with self._counting:
+            h = self._topic_durations.get(key) or self._topic_durations.setdefault(key, _Histogram(DURATION_BUCKETS))
+            h.observe(duration)
+
     # -- collector: what a scrape reads -------------------------------------------------------------
-    def watch(self, queues: Iterable[DelayedQueue]) -> None:
-        """Also export the gauges of ``queues`` (each queue once, by name)."""
+    def watch(self, queues: Iterable[DelayedQueue], topics: Iterable[Topic] = ()) -> None:
+        """Also export the gauges of ``queues`` and ``topics`` (each once, by name)."""
         with self._lock:
             names = {q.name for q in self.queues}
             self.queues += [q for q in queues if q.name not in names]
+            known = {t.name for t in self.topics}
+            for t in topics:
+                if t.name not in known:
+                    known.add(t.name)
+                    self.topics.append(t)
 
     def describe(self) -> list[Metric]:
         return []  # the gauges are read at scrape time only: never while registering
@@ -182,6 +237,50 @@ class Metrics(observe.Observer, Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._collect_events()
         yield from self._collect_gauges()
+        yield from self._collect_topic_events()
+        yield from self._collect_topic_gauges()
+
+    def _collect_topic_events(self) -> Iterator[Metric]:
+        with self._counting:
+            counts = dict(self._topic_counts)
+            durations = [(key, list(h.counts), h.total) for key, h in self._topic_durations.items()]
+        for event, (name, doc) in TOPIC_COUNTERS.items():
+            topic_wide = event in ("published", "collected")
+            counter = CounterMetricFamily(f"delayq_{name}", doc, labels=["topic"] if topic_wide else ["topic", "group"])
+            for (e, topic, group), value in sorted(counts.items()):
+                if e == event:
+                    counter.add_metric([topic] if topic_wide else [topic, group], value)
+            yield counter
+        family = HistogramMetricFamily(
+            "delayq_topic_handler_duration_seconds",
+            "Seconds from a topic delivery's poll to its outcome recorded.",
+            labels=["topic", "group", "outcome"],
+        )
+        les = [*(repr(float(b)) for b in DURATION_BUCKETS), "+Inf"]
+        for labels, per_bucket, total in sorted(durations):
+            family.add_metric(list(labels), list(zip(les, itertools.accumulate(per_bucket), strict=True)), total)
+        yield family
+
+    def _collect_topic_gauges(self) -> Iterator[Metric]:
+        from delayq.topics.views import list_groups
+
+        with self._lock:
+            topics = list(self.topics)
+        families = {
+            name: GaugeMetricFamily(f"delayq_topic_{name}", doc, labels=["topic", "group"])
+            for name, doc in TOPIC_GAUGES.items()
+        }
+        for t in topics:
+            try:
+                groups = list_groups(t.ctx.engine, t.name, table_prefix=t.ctx.prefix, schema=t.ctx.schema)
+            except Exception as exc:  # a scrape never fails for one topic's trouble
+                log.warning("metrics: groups of topic %s failed: %s", t.name, exc)
+                continue
+            for g in groups:
+                families["lag"].add_metric([t.name, g.group], g.lag)
+                families["in_flight"].add_metric([t.name, g.group], g.pending)
+                families["subscribers"].add_metric([t.name, g.group], g.subscribers)
+        yield from families.values()
 
     def _collect_events(self) -> Iterator[Metric]:
         tagged = ("tags",) if self._tagged else ()
@@ -257,13 +356,18 @@ _install_lock = threading.Lock()
 
 
 def register(
-    registry: CollectorRegistry | None = None, queues: Sequence[DelayedQueue] = (), *, tag_labels: TagLabels = False
+    registry: CollectorRegistry | None = None,
+    queues: Sequence[DelayedQueue] = (),
+    topics: Sequence[Topic] = (),
+    *,
+    tag_labels: TagLabels = False,
 ) -> Metrics:
     """Install delayq's metrics in ``registry`` (prometheus-client's default one when None) and start counting.
 
-    ``queues`` get the per-queue gauges. ``tag_labels``: label deliveries' metrics with their tags (all with True,
-    or only those listed; see the module's docstring on cardinality). Calling it again with the same registry
-    returns the same ``Metrics`` (watching the new queues too; its ``tag_labels`` stay as first registered).
+    ``queues`` get the per-queue gauges, ``topics`` the per-group ones. ``tag_labels``: label deliveries' metrics
+    with their tags (all with True, or only those listed; see the module's docstring on cardinality). Calling it
+    again with the same registry returns the same ``Metrics`` (watching the new queues and topics too; its
+    ``tag_labels`` stay as first registered).
     """
     reg = REGISTRY if registry is None else registry
     with _install_lock:
@@ -271,7 +375,7 @@ def register(
         if metrics is None:
             metrics = _installed[id(reg)] = Metrics(reg, tag_labels=tag_labels)
             observe.add(metrics)
-    metrics.watch(queues)
+    metrics.watch(queues, topics)
     return metrics
 
 
@@ -290,12 +394,13 @@ def serve(
     *,
     addr: str = "0.0.0.0",
     registry: CollectorRegistry | None = None,
+    topics: Sequence[Topic] = (),
     tag_labels: TagLabels = False,
 ) -> Callable[[], None]:
     """Register the metrics (``register``) and serve ``/metrics`` on ``addr:port`` from a daemon thread; returns
     a stop function."""
     reg = REGISTRY if registry is None else registry
-    register(reg, queues, tag_labels=tag_labels)
+    register(reg, queues, topics, tag_labels=tag_labels)
     server, thread = start_http_server(port, addr, registry=reg)
 
     def stop() -> None:

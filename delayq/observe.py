@@ -22,14 +22,17 @@ from delayq.errors import DeliveryCancelledError
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
+    from delayq.topics.delivery import TopicDelivery
 
 __all__ = [
     "DeliveryLog",
     "Event",
     "Observer",
     "Outcome",
+    "TopicEvent",
     "add",
     "count",
+    "count_topic",
     "delivery_log",
     "handling",
     "offering",
@@ -62,6 +65,11 @@ Event = Literal["offered", "acked", "retried", "dead_lettered", "lock_lost", "ov
 """A queue event that observers count."""
 
 
+TopicEvent = Literal["published", "delivered", "acked", "nacked", "dead", "lease_lost", "rebalanced", "collected"]
+"""A topic event that observers count: per topic and consumer group ("" for the topic's own: published,
+collected). ``rebalanced`` counts the rebalances that changed what a subscriber holds."""
+
+
 class Observer:
     """Hears of deliveries and queue events; every method does nothing unless overridden.
 
@@ -88,9 +96,29 @@ class Observer:
         with them, and return a context manager to run around the offer (or None)."""
         return None
 
+    def topic_counted(self, event: TopicEvent, topic: str, group: str, n: int) -> None:
+        """``n`` messages of ``topic`` had ``event`` in consumer group ``group``."""
+
+    def topic_publishing(self, topic: str, n: int, headers: dict[str, str]) -> AbstractContextManager[None] | None:
+        """A publish of ``n`` messages to ``topic`` is about to run (as ``publishing``)."""
+        return None
+
+    def topic_started(self, delivery: TopicDelivery, group: str, headers: dict[str, str]) -> object:
+        """A topic handler is about to run ``delivery`` for ``group`` (``headers``: what its publish added,
+        read only while an observer overrides ``topic_publishing``); the result comes back to ``topic_finished``."""
+        return None
+
+    def topic_finished(
+        self, delivery: TopicDelivery, group: str, state: object, error: BaseException | None, duration: float
+    ) -> None:
+        """The topic handler returned (``error`` None) or raised ``error``; ``duration`` seconds from the poll
+        to its outcome recorded."""
+
 
 _observers: tuple[Observer, ...] = ()
 _publishers: tuple[Observer, ...] = ()  # those that override ``publishing``: offers skip the rest
+_topic_publishers: tuple[Observer, ...] = ()  # those that override ``topic_publishing``
+_topic_handlers: tuple[Observer, ...] = ()  # those that override ``topic_started`` or ``topic_finished``
 
 
 def add(observer: Observer) -> None:
@@ -105,9 +133,15 @@ def remove(observer: Observer) -> None:
 
 
 def _install(observers: tuple[Observer, ...]) -> None:
-    global _observers, _publishers
+    global _observers, _publishers, _topic_publishers, _topic_handlers
     _observers = observers
     _publishers = tuple(o for o in observers if type(o).publishing is not Observer.publishing)
+    _topic_publishers = tuple(o for o in observers if type(o).topic_publishing is not Observer.topic_publishing)
+    _topic_handlers = tuple(
+        o
+        for o in observers
+        if type(o).topic_started is not Observer.topic_started or type(o).topic_finished is not Observer.topic_finished
+    )
 
 
 def count(event: Event, queue: str, n: int = 1) -> None:
@@ -115,6 +149,47 @@ def count(event: Event, queue: str, n: int = 1) -> None:
     if n:
         for o in _observers:
             o.counted(event, queue, n)
+
+
+def count_topic(event: TopicEvent, topic: str, group: str, n: int = 1) -> None:
+    """Tell every observer that ``n`` messages of ``topic`` had ``event`` in ``group`` (nothing when 0)."""
+    if n:
+        for o in _observers:
+            o.topic_counted(event, topic, group, n)
+
+
+def traces_topics() -> bool:
+    """Whether an observer carries context from a publish to its handlers (``topic_publishing``)."""
+    return bool(_topic_publishers)
+
+
+def topic_handlers() -> tuple[Observer, ...]:
+    """The observers that hear of topic handler calls (``topic_started``, ``topic_finished``)."""
+    return _topic_handlers
+
+
+class publishing_topic:
+    """Wrap one publish: observers may add headers (None when none did) and run around it."""
+
+    __slots__ = ("_n", "_stack", "_topic")
+
+    def __init__(self, topic: str, n: int) -> None:
+        self._topic, self._n = topic, n
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> dict[str, str] | None:
+        if not _topic_publishers:
+            return None
+        headers: dict[str, str] = {}
+        stack = self._stack = ExitStack()
+        for o in _topic_publishers:
+            around = o.topic_publishing(self._topic, self._n, headers)
+            if around is not None:
+                stack.enter_context(around)
+        return headers or None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        return False if self._stack is None else bool(self._stack.__exit__(kind, error, tb))
 
 
 class offering:  # a class in a function's name: ``with offering(queue, n) as headers:``

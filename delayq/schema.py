@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, name_type
+from delayq.dialects.types import TABLE_OPTIONS, BigId, Payload, key_type, name_type
 from delayq.errors import InvalidInputError
 
 MAX_KEY_LENGTH = 200
@@ -39,6 +39,8 @@ class Tables:
     """Messages kept after they finished: completed (retention, ``unique_for``) or cancelled (``delayq.queue``)."""
     chores: sa.Table
     """One row per background chore (the pruner): which process holds it until when, so one runs at a time."""
+    workers: sa.Table
+    """One row per worker (``Worker``, ``AsyncWorker``) that ran lately: its heartbeat (``delayq.runtime``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,7 +61,7 @@ def _message_columns() -> list[sa.Column[Any]]:
     return [
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
         sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=False),
-        sa.Column("key", name_type(MAX_KEY_LENGTH), nullable=False),
+        sa.Column("key", key_type(MAX_KEY_LENGTH), nullable=False),
         sa.Column("payload", Payload, nullable=False),
         sa.Column("payload_type", sa.String(100), nullable=False),
     ]
@@ -209,7 +211,29 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("done_at", sa.BigInteger, nullable=True),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores)
+    # One row per worker (delayq_0010): where it runs, what it serves, its slots and how many are in use as of
+    # its last heartbeat (database time); ``stopped_at`` set by a clean stop. Each worker deletes the rows whose
+    # heartbeat is long gone (``delayq.runtime._registry``).
+    workers = sa.Table(
+        f"{prefix}workers",
+        md,
+        sa.Column("id", sa.String(36), primary_key=True),
+        sa.Column("name", sa.String(200), nullable=False),
+        sa.Column("host", sa.String(200), nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("driver", sa.String(20), nullable=False),
+        sa.Column("queues", sa.Text, nullable=False),
+        sa.Column("topics", sa.Text, nullable=False),
+        sa.Column("slots", sa.Integer, nullable=False),
+        sa.Column("slots_in_use", sa.Integer, nullable=False),
+        sa.Column("handled", sa.BigInteger, nullable=False),
+        sa.Column("started_at", sa.BigInteger, nullable=False),
+        sa.Column("heartbeat_at", sa.BigInteger, nullable=False),
+        sa.Column("stopped_at", sa.BigInteger, nullable=True),
+        sa.Index(f"{prefix}workers_heartbeat_ix", "heartbeat_at"),
+        **TABLE_OPTIONS,
+    )
+    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers)
 
 
 MAX_TOPIC_LENGTH = 100
@@ -269,6 +293,7 @@ def make_topic_tables(prefix: str, md: sa.MetaData) -> TopicTables:
         sa.Column("failed_at", sa.BigInteger, nullable=True),
         sa.Column("failure_count", sa.Integer, nullable=True),
         sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("headers", sa.Text, nullable=True),  # (delayq_0009) a JSON object: the publish's trace context
         sa.UniqueConstraint("topic", "partition_key", "message_id", name=f"{prefix}topic_log_id_uq"),
         **TABLE_OPTIONS,
     )

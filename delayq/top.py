@@ -1,9 +1,11 @@
-"""``delayq top``: a live view of every queue (the ``delayq[top]`` extra, rich).
+"""``delayq top``: a live view of every queue and topic (the ``delayq[top]`` extra, rich).
 
 Each refresh reads, per queue, ``stats()`` and how many messages arrived and left since the last
 refresh (by id: rows above the last highest id arrived; rows at or below it that are gone left, acked,
-cancelled or dead-lettered), and the most recent failures with the end of their traceback. All reads;
-nothing is written.
+cancelled or dead-lettered), the most recent failures with the end of their traceback, and the worker
+registry (one line: workers running, slots in use, gone); per topic and consumer group (``list_topics``,
+``list_groups``), the lag, deliveries in flight, live subscribers, and the rates of publishing and of the
+group's progress (from the heads and the lag between two refreshes). All reads; nothing is written.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from delayq.browse import database_now, queue_names
+from delayq.browse import WorkerInfo, database_now, list_workers, queue_names
 from delayq.clock import to_ms
 from delayq.history import parse
 from delayq.humanize import human
@@ -28,8 +30,9 @@ from delayq.messages import QueueStats
 from delayq.queue import DelayedQueue, _views, claimed_at
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
+from delayq.topics.views import GroupSummary, list_groups, list_topics
 
-__all__ = ["Failure", "QueueRow", "Snapshot", "Top", "render"]
+__all__ = ["Failure", "QueueRow", "Snapshot", "Top", "TopicRow", "render"]
 
 RECENT_FAILURES = 5
 TRACEBACK_LINES = 4
@@ -47,6 +50,22 @@ class QueueRow:
     """How long the longest-running in-flight message has been held (since its claim); None when none is."""
     paused: bool = False
     """Paused (``DelayedQueue.pause``): workers start none of its messages."""
+
+
+@dataclass(frozen=True)
+class TopicRow:
+    """One consumer group of a topic (``group`` None: a topic no group reads), and its rates since the
+    previous refresh (per second): messages published, and messages the group got done with."""
+
+    topic: str
+    group: str | None
+    partitions: int
+    published: int
+    lag: int
+    in_flight: int
+    subscribers: int
+    published_per_s: float | None
+    done_per_s: float | None
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,10 @@ class Snapshot:
     taken_at: dt.datetime
     queues: list[QueueRow]
     failures: list[Failure] = field(default_factory=list)
+    topics: list[TopicRow] = field(default_factory=list)
+    """Shown unless the view is narrowed to some queues (``only``)."""
+    workers: list[WorkerInfo] = field(default_factory=list)
+    """The worker registry's rows (``delayq.browse.list_workers``)."""
 
 
 class Top:
@@ -82,6 +105,7 @@ class Top:
         self.tables = make_tables(prefix, schema)
         self.only = only
         self._marks: dict[str, tuple[int, int, float]] = {}  # queue -> (highest id, rows up to it, monotonic)
+        self._topic_marks: dict[tuple[str, str | None], tuple[int, int, float]] = {}  # -> (published, done, monotonic)
 
     def snapshot(self) -> Snapshot:
         rows: list[QueueRow] = []
@@ -97,8 +121,40 @@ class Top:
                 arrived, left = self._flow(conn, name)
                 rows.append(QueueRow(name, stats, arrived, left, longest.get(name), paused))
             failures = self._failures(conn, names)
+            workers = list_workers(conn, self.tables)
             conn.rollback()
-        return Snapshot(now, rows, failures)
+        return Snapshot(now, rows, failures, [] if self.only else self._topics(), workers)
+
+    def _topics(self) -> list[TopicRow]:
+        found: list[TopicRow] = []
+        clock = time.monotonic()
+        for t in list_topics(self.engine, table_prefix=self.prefix, schema=self.schema):
+            groups: list[GroupSummary | None] = [
+                *list_groups(self.engine, t.topic, table_prefix=self.prefix, schema=self.schema)
+            ]
+            for g in groups or [None]:
+                key = (t.topic, None if g is None else g.group)
+                lag = 0 if g is None else g.lag
+                done = t.published - lag
+                mark = self._topic_marks.get(key)
+                self._topic_marks[key] = (t.published, done, clock)
+                rates: tuple[float | None, float | None] = (None, None)
+                if mark is not None:
+                    elapsed = max(clock - mark[2], 1e-3)
+                    rates = (max(t.published - mark[0], 0) / elapsed, max(done - mark[1], 0) / elapsed)
+                found.append(
+                    TopicRow(
+                        t.topic,
+                        key[1],
+                        t.partitions,
+                        t.published,
+                        lag,
+                        0 if g is None else g.pending,
+                        0 if g is None else g.subscribers,
+                        *rates,
+                    )
+                )
+        return found
 
     def _flow(self, conn: sa.Connection, name: str) -> tuple[float | None, float | None]:
         mark = self._marks.get(name)
@@ -177,6 +233,10 @@ def render(snap: Snapshot) -> RenderableType:
     if not snap.queues:
         table.add_row("(no queues yet)", *[""] * 9)
     parts: list[RenderableType] = [table]
+    if snap.topics:
+        parts.append(_topics_table(snap.topics))
+    if snap.workers:
+        parts.append(workers_line(snap.workers))
     if snap.failures:
         lines: list[RenderableType] = []
         for f in snap.failures:
@@ -188,6 +248,38 @@ def render(snap: Snapshot) -> RenderableType:
             lines += [Text(f"    {line}", style="dim") for line in f.traceback_tail]
         parts.append(Panel(Group(*lines), title="recent failures", border_style="red"))
     return Group(*parts)
+
+
+def _topics_table(rows: list[TopicRow]) -> Table:
+    table = Table(expand=True, title="topics", title_style="bold")
+    for column in ("topic", "group", "partitions", "published", "lag", "in flight", "subscribers", "pub/s", "done/s"):
+        wide = max([len(r.topic) for r in rows] + [5]) if column == "topic" else None
+        left = column in ("topic", "group")
+        table.add_column(column, justify="left" if left else "right", no_wrap=left, min_width=wide)
+    for r in rows:
+        table.add_row(
+            r.topic,
+            "-" if r.group is None else r.group,
+            str(r.partitions),
+            str(r.published),
+            Text(str(r.lag), style="yellow" if r.lag else ""),
+            str(r.in_flight),
+            Text(str(r.subscribers), style="" if r.subscribers or r.group is None else "red"),
+            _rate(r.published_per_s),
+            _rate(r.done_per_s),
+        )
+    return table
+
+
+def workers_line(workers: list[WorkerInfo]) -> Text:
+    """One line on the workers: how many run, their slots in use, how many are gone."""
+    running = [w for w in workers if w.state == "running"]
+    gone = sum(w.state == "gone" for w in workers)
+    used, slots = sum(w.slots_in_use for w in running), sum(w.slots for w in running)
+    line = Text.assemble(("workers ", "bold"), f"{len(running)} running, {used}/{slots} slots in use")
+    if gone:
+        line.append(f", {gone} gone (no heartbeat for a minute)", style="bold red")
+    return line
 
 
 def run(

@@ -8,6 +8,12 @@ links to the span of the request that enqueued it, however long after and in wha
 Where the context lives: in the message's ``headers`` column (a JSON object), which travels with
 it to the dead letters and back. The cost, with tracing on only: one more UPDATE in the offer's
 transaction, one more SELECT per delivery.
+
+Topics alike: a publish is a PRODUCER span ``publish <topic>`` whose context is stored in the log
+row's ``headers`` (written by the publish's own INSERT: no extra statement), and a worker's topic
+handler call a CONSUMER span ``process <topic>`` (with the consumer group, partition and offset) linked
+to it: one more SELECT per delivery. The topic span is not made current in the handler's thread or
+task (it starts at the poll, on the fetch loop); it ends when the outcome is recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ else:
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
+    from delayq.topics.delivery import TopicDelivery
 
 __all__ = ["Tracing", "disable", "enable"]
 
@@ -66,6 +73,43 @@ class Tracing(observe.Observer):
         with self.tracer.start_as_current_span(f"publish {queue}", kind=SpanKind.PRODUCER, attributes=attributes):
             propagate.inject(headers)
             yield
+
+    def topic_publishing(self, topic: str, n: int, headers: dict[str, str]) -> AbstractContextManager[None]:
+        return self._publish(topic, n, headers)
+
+    def topic_started(self, delivery: TopicDelivery, group: str, headers: dict[str, str]) -> object:
+        links = []
+        if headers:
+            origin = trace.get_current_span(propagate.extract(headers)).get_span_context()
+            if origin.is_valid:
+                links.append(Link(origin))
+        return self.tracer.start_span(
+            f"process {delivery.topic}",
+            kind=SpanKind.CONSUMER,
+            links=links,
+            attributes={
+                "messaging.system": SYSTEM,
+                "messaging.operation.type": "process",
+                "messaging.operation.name": "process",
+                "messaging.destination.name": delivery.topic,
+                "messaging.consumer.group.name": group,
+                "messaging.destination.partition.id": str(delivery.partition),
+                "messaging.delayq.message.offset": delivery.offset,
+                "messaging.message.id": delivery.message_id,
+                "messaging.message.conversation_id": delivery.partition_key,
+                "messaging.message.delivery_count": delivery.attempts,
+            },
+        )
+
+    def topic_finished(
+        self, delivery: TopicDelivery, group: str, state: object, error: BaseException | None, duration: float
+    ) -> None:
+        span = cast("trace.Span", state)
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            span.set_attribute("error.type", type(error).__qualname__)
+        span.end()
 
     def started(self, delivery: Delivery) -> object:
         links = []

@@ -221,16 +221,21 @@ class Worker:
             self._loops["listen"] = threading.Thread(target=self._listen_loop, name="delayq-listen", daemon=True)
         if self._topics:
             self._loops["topics"] = self._topics.loop(self._wake.set)
+        if core.topic_gc:
+            self._loops["topics-gc"] = core.topic_gc.loop(self._stopping)
         for name, t in self._loops.items():
             if name != "fetch":
                 t.start()
         core.schedules.start()  # declared schedules are kept installed where the worker runs
+        if core.pruner is not None:
+            core.pruner.start()
         watchdog = None
         if core.stall_timeout is not None:
             loops = [t for name, t in self._loops.items() if name != "listen"]
             watchdog = Watchdog(self.engine, core.stall_timeout, lambda: {t.ident for t in loops if t.ident})
             watchdog.start()
         log.info("%s", core.started_line())
+        core.register()
         try:
             self._fetch_loop()
         except SchemaMissingError as exc:  # nothing can work: say so and stop
@@ -351,14 +356,14 @@ class Worker:
     # -- wake-ups -------------------------------------------------------------------------------
     def _listen_loop(self) -> None:
         dialect, errors = dialect_for(self.engine), 0
-        queues = self._core.queue_sources
+        wakes = self._core.wakes
         while not self._stopped.is_set():
             try:
-                for said in dialect.listen(self.engine, self._core.channel, self._stopped, cancels=True):
+                for name in dialect.listen(self.engine, self._core.channel, self._stopped, cancels=True):
                     errors = 0
-                    if self._core.heard_cancel(said):
+                    if self._core.heard_cancel(name):
                         continue
-                    if said in queues:
+                    if wakes(name):
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
@@ -395,6 +400,8 @@ class Worker:
         core = self._core
         self._stop_acking()
         core.schedules.stop(timeout=5.0)
+        if core.pruner is not None:
+            core.pruner.stop()
         self._jobs.release(self._jobs.cancel_unstarted(), "never started")
         self._topics.give_back_unstarted()
         deadline = time.monotonic() + self.shutdown_timeout
@@ -409,11 +416,15 @@ class Worker:
         if running:
             core.warn_kept(running)
         self._topics.stop()  # leaves the groups (partitions move at once), but keeps the partitions still in use
+        gc = self._loops.get("topics-gc")
+        if gc is not None and gc.ident is not None:
+            gc.join(timeout=5.0)  # a round is bounded; it ends between two transactions
         core.flush_acks()
         core.forget_unacked()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        core.deregister()
         log.info("worker stopped")
 
     def _install_signal_handlers(self) -> Callable[[], None]:

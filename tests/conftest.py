@@ -231,6 +231,17 @@ def queue(make_queue: Callable[..., DelayedQueue]) -> DelayedQueue:
     return make_queue(visibility_timeout=dt.timedelta(minutes=1))
 
 
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts: whichever still runs at its end is killed."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def count_rows(engine: sa.Engine, queue_name: str) -> int:
     """Live messages in a queue, read directly."""
     m = metadata.tables["delayq_messages"]
@@ -248,6 +259,7 @@ AIO_CONTRACT_MODULES = {
     "test_transactions",
     "test_held",
     "test_errors",
+    "test_lifecycle",
     "test_cancel",
     "test_tags",
 }

@@ -31,7 +31,7 @@ def test_quick_benchmarks_run_and_lose_nothing(backend_urls: dict[str, str], tmp
     assert {f["backend"] for f in figures} == {"sqlite", "postgresql", "mysql"}
     assert all(f["delayq"] > 0 for f in figures)
     topics = {(f["backend"], f["scenario"]) for f in figures if f["scenario"].startswith("topics: ")}
-    assert len(topics) == 7 * 3, sorted(topics)  # benchmarks/topics.py: every topic scenario on every backend
+    assert len(topics) == 8 * 3, sorted(topics)  # benchmarks/topics.py and topic_pickup.py: every backend
 
 
 def _run(args: list[str], backend_urls: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -94,3 +94,13 @@ def test_soak_smoke_reports_a_verdict(backend_urls: dict[str, str]) -> None:
     done = _run(["--soak", "12000", "--backends", "sqlite"], backend_urls)
     assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: "NOT FLAT", a figure, not a failure here
     assert "FLAT" in done.stdout and "12,000 handled" in done.stdout, done.stdout
+
+
+def test_web_page_loads_run(backend_urls: dict[str, str], tmp_path: Path) -> None:
+    """Issue 37: the dashboard's page-load benchmark (benchmarks/web.py) on a small queue."""
+    out = tmp_path / "web.json"
+    done = _run(["--web", "3000", "--backends", "sqlite", "--json", str(out)], backend_urls)
+    assert done.returncode == 0, done.stdout + done.stderr
+    loads = json.loads(out.read_text())
+    assert len(loads) == 9 and all(load["p95_ms"] > 0 for load in loads)
+    assert "overview (HTML" in done.stdout

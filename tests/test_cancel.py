@@ -27,6 +27,12 @@ def finished_rows(engine: sa.Engine, queue_name: str) -> list[Any]:
         return list(conn.execute(sa.select(f).where(f.c.queue == queue_name).order_by(f.c.id)).all())
 
 
+def cancelled(q: Any, key: str) -> bool:
+    """Whether ``get(key)`` finds the message kept as cancelled (no live one)."""
+    found = q.get(key)
+    return found is not None and found.state == "cancelled"
+
+
 def test_the_outcome_is_true_when_something_was_cancelled() -> None:
     assert CancelOutcome.QUEUED and CancelOutcome.RUNNING
     assert not CancelOutcome.NOT_FOUND
@@ -74,6 +80,8 @@ def test_a_running_message_is_recorded_as_cancelled_and_fenced(
     assert d.dead_letter("late") is False
     assert d.extend(MINUTE) is False
     assert queue.dead_letters() == [] and count_rows(engine, queue.name) == 0
+    kept = queue.get("k")
+    assert kept is not None and (kept.state, kept.tags) == ("cancelled", ("billing", "eu"))
     clock.advance(10 * MINUTE)
     assert queue.try_poll() is None  # it never runs again
     assert queue.cancel_job("k") is CancelOutcome.NOT_FOUND
@@ -130,14 +138,11 @@ def test_a_cancel_that_commits_first_fences_the_ack(queue: DelayedQueue, engine:
 def test_a_queue_that_keeps_a_history_records_a_queued_cancel_too(
     engine: sa.Engine, queue_name: str, clock: ManualClock
 ) -> None:
-    """The hook a history-keeping queue sets (``_keeps_cancelled``): the cancel then always takes the transaction."""
-
-    class Keeping(DelayedQueue):
-        def _keeps_cancelled(self) -> bool:
-            return True
-
-    q = Keeping(engine, queue_name, clock=clock)
+    """With ``retention`` a queued cancel is kept as cancelled too, for the retention (not the 7-day default)."""
+    q = DelayedQueue(engine, queue_name, clock=clock, retention=dt.timedelta(hours=1))
     q.offer("k", 1, tags=["x"])
     assert q.cancel_job("k") is CancelOutcome.QUEUED
     [row] = finished_rows(engine, queue_name)
     assert (row.key, row.state, row.tags, row.duration_ms) == ("k", FINISHED_CANCELLED, ",x,", None)
+    assert row.expires_at - row.finished_at == 3_600_000
+    assert q.stats().cancelled == 1 and q.stats(tag="x").cancelled == 1 and q.stats(tag="y").cancelled == 0

@@ -8,19 +8,16 @@ never asserted on.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import REPO_ROOT, Backend, facade_queue
+from _history import History, Record, overlap, spawn_worker, started
+from conftest import Backend, facade_queue
 from test_worker import handler_for, wait_until
 
 from delayq import DelayedQueue, FlowState, InvalidInputError, ManualClock, Worker
@@ -136,23 +133,14 @@ def test_concurrent_claimers_never_take_a_low_one_before_a_high_one_that_was_due
     q.offer_many([(f"high{i:03}", i, -2 * SECOND) for i in range(100)], priority=10)
     threads = 2 if backend.name == "sqlite" else 4
     seen: list[list[str]] = [[] for _ in range(threads)]
-    errors: list[BaseException] = []
 
     def claim(i: int) -> None:
         mine = DelayedQueue(engine, queue_name, clock=clock, flow_refresh=dt.timedelta(0))
-        try:
-            while batch := mine.try_poll_many(10):
-                seen[i] += [d.key for d in batch]
-                mine.ack_many(batch)
-        except BaseException as exc:
-            errors.append(exc)
+        while batch := mine.try_poll_many(10):
+            seen[i] += [d.key for d in batch]
+            mine.ack_many(batch)
 
-    workers = [threading.Thread(target=claim, args=(i,)) for i in range(threads)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(120)
-    assert not errors, errors
+    History().in_threads(threads, claim, 120)
     assert sorted(k for keys in seen for k in keys) == sorted(
         [f"low{i:04}" for i in range(1000)] + [f"high{i:03}" for i in range(100)]
     )
@@ -304,15 +292,6 @@ def test_the_pause_shows_in_top_and_in_the_metrics(engine: sa.Engine, queue_name
 # -- concurrency and rate limits -------------------------------------------------------------------------------
 
 
-def overlap(history: list[tuple[int, str, str]]) -> int:
-    """The most handlers between their start and their end at once, from (ns, event, key) records."""
-    running = most = 0
-    for _, event, _ in sorted(history, key=lambda h: (h[0], h[1] == "start")):  # an end before a start at a tie
-        running += 1 if event == "start" else -1
-        most = max(most, running)
-    return most
-
-
 def test_a_concurrency_limit_holds_across_claimers_and_an_expired_lock_stops_counting(
     flow_queue: Callable[..., DelayedQueue], clock: ManualClock
 ) -> None:
@@ -337,6 +316,34 @@ def test_a_concurrency_limit_holds_across_claimers_and_an_expired_lock_stops_cou
             q.set_concurrency_limit(bad)  # type: ignore[arg-type]
 
 
+def test_a_requeued_dead_letter_comes_back_at_priority_0_without_a_group_and_the_flow_holds_it(
+    flow_queue: Callable[..., DelayedQueue], clock: ManualClock
+) -> None:
+    """``requeue_dead`` offers the letter afresh, due now, at priority 0 and without a group (neither travels
+    with a dead letter): a paused queue holds it like any message, and it counts against a concurrency limit."""
+    q = flow_queue()
+    q.offer("job", 1, -SECOND, priority=5, group="g")
+    (d,) = q.try_poll_many(1)
+    assert d.key == "job" and d.dead_letter("boom")
+    q.offer("high", 2, -SECOND, priority=1)
+    q.offer("g-next", 3, -SECOND, group="g")  # group g's next message (group concurrency 1)
+    q.offer("low", 4, -SECOND, priority=-1)
+    q.pause()
+    assert q.requeue_dead("job")
+    assert q.try_poll_many(10) == []  # paused: it waits with the rest
+    q.resume()
+    q.set_concurrency_limit(2)
+    first = q.try_poll_many(10)
+    assert [d.key for d in first] == ["high", "g-next"]  # the limit: two held
+    assert first[0].ack()
+    # Priority 0 (after "high", before "low"), and not in group g: it runs beside g's held message.
+    (job,) = q.try_poll_many(10)
+    assert job.key == "job" and job.payload == 1
+    assert q.try_poll_many(10) == []  # it counts: two held ("g-next" and it), "low" waits
+    assert job.ack()
+    assert [d.key for d in q.try_poll_many(10)] == ["low"]
+
+
 def test_threads_claiming_under_a_limit_of_two_never_run_more_than_two(
     backend: Backend, engine: sa.Engine, queue_name: str
 ) -> None:
@@ -344,39 +351,10 @@ def test_threads_claiming_under_a_limit_of_two_never_run_more_than_two(
     before the ack) never overlap more than the limit, and every message runs once."""
     DelayedQueue(engine, queue_name).offer_many([(f"k{i:02}", i, None) for i in range(40)])
     DelayedQueue(engine, queue_name).set_concurrency_limit(2)
-    history: list[tuple[int, str, str]] = []
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        q = DelayedQueue(engine, queue_name, flow_refresh=dt.timedelta(0))
-        try:
-            idle = 0
-            while idle < 50:
-                batch = q.try_poll_many(4)
-                if not batch:
-                    idle += 1 if q.stats().ready == 0 and q.stats().in_flight == 0 else 0
-                    time.sleep(0.005)
-                    continue
-                for d in batch:
-                    with lock:
-                        history.append((time.monotonic_ns(), "start", d.key))
-                time.sleep(0.01)
-                for d in batch:
-                    with lock:
-                        history.append((time.monotonic_ns(), "end", d.key))
-                q.ack_many(batch)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    assert sorted(k for _, e, k in history if e == "start") == [f"k{i:02}" for i in range(40)]
-    assert overlap(history) <= 2
+    history = History()
+    history.in_threads(6, lambda _: history.claim_and_hold(engine, queue_name, batch=4, hold=0.01))
+    assert started(history.records) == [f"k{i:02}" for i in range(40)]
+    assert overlap(history.records) <= 2
 
 
 def test_a_rate_limit_gives_n_claims_per_period_on_the_injected_clock(
@@ -438,35 +416,21 @@ def start_flow_worker(
     backend: Backend, queue: str, history: Path, *, seconds: float, concurrency: int = 8, visibility: float = 30.0
 ) -> subprocess.Popen[bytes]:
     env = {
-        **os.environ,
-        "DELAYQ_URL": backend.url,
         "DELAYQ_TEST_QUEUE": queue,
         "DELAYQ_TEST_HISTORY": str(history),
         "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
         "DELAYQ_TEST_VISIBILITY": str(visibility),
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
     }
-    command = [sys.executable, "-m", "delayq.cli", "worker", "flow_app:handlers", "--concurrency", str(concurrency)]
-    return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return spawn_worker(backend, "flow_app:handlers", env, ["--concurrency", str(concurrency)], repo_on_path=True)
 
 
-def read_history(directory: Path) -> list[tuple[int, str, str]]:
-    found: list[tuple[int, str, str]] = []
+def read_history(directory: Path) -> list[Record]:
+    found: list[Record] = []
     for path in directory.glob("*.log"):
         for line in path.read_text().splitlines():
             event, key, ns = line.split()
             found.append((int(ns), event, key))
     return found
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 @pytest.mark.slow
@@ -480,7 +444,7 @@ def test_three_worker_processes_of_eight_slots_limited_to_two_never_run_more_tha
         processes.append(start_flow_worker(backend, queue_name, tmp_path, seconds=0.1))
     wait_until(lambda: q.stats().ready + q.stats().in_flight == 0 and len(read_history(tmp_path)) == 48, "all", 240)
     history = read_history(tmp_path)
-    assert sorted(k for _, e, k in history if e == "start") == [f"k{i:02}" for i in range(24)]
+    assert started(history) == [f"k{i:02}" for i in range(24)]
     assert overlap(history) <= 2
 
 
@@ -576,41 +540,12 @@ def test_threads_never_overlap_a_groups_messages_and_run_them_in_due_order(
     q = DelayedQueue(engine, queue_name)
     for g in range(5):
         q.offer_many([(f"g{g}-{i}", i, dt.timedelta(milliseconds=-1000 + 10 * i)) for i in range(8)], group=f"g{g}")
-    history: list[tuple[int, str, str]] = []
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        mine = DelayedQueue(engine, queue_name, flow_refresh=dt.timedelta(0))
-        try:
-            idle = 0
-            while idle < 50:
-                batch = mine.try_poll_many(3)
-                if not batch:
-                    idle += 1 if mine.stats().ready == 0 and mine.stats().in_flight == 0 else 0
-                    time.sleep(0.005)
-                    continue
-                for d in batch:
-                    with lock:
-                        history.append((time.monotonic_ns(), "start", d.key))
-                time.sleep(0.005)
-                for d in batch:
-                    with lock:
-                        history.append((time.monotonic_ns(), "end", d.key))
-                mine.ack_many(batch)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    check_groups(history, groups=5, each=8)
+    history = History()
+    history.in_threads(6, lambda _: history.claim_and_hold(engine, queue_name, batch=3, hold=0.005))
+    check_groups(history.records, groups=5, each=8)
 
 
-def check_groups(history: list[tuple[int, str, str]], groups: int, each: int) -> None:
+def check_groups(history: list[Record], groups: int, each: int) -> None:
     """Every message started once; per group, no two between start and end at once, and starts in due order."""
     for g in range(groups):
         mine = [h for h in history if h[2].startswith(f"g{g}-")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import subprocess
@@ -182,6 +183,7 @@ def test_delayq_migrate_and_demo_after_a_pip_install_into_a_fresh_venv(
 
 
 DOC_ENV = """
+import datetime as dt
 import os
 
 import sqlalchemy as sa
@@ -331,5 +333,112 @@ def test_delayq_0006_gives_existing_messages_priority_0_and_goes_down_again(back
             assert "priority" not in names and "group_key" not in names
             assert not sa.inspect(conn).has_table(f"{prefix}queue_flow")
             assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 3
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)
+
+
+def test_delayq_0010_keeps_the_keys_collates_them_c_on_postgresql_and_goes_down_again(backend: Backend) -> None:
+    # Keys offered at delayq_0007 stay found, unique and selectable by prefix after the upgrade; on PostgreSQL the
+    # key columns are in "C" (byte order: "B" < "a"), elsewhere unchanged; down again, the registry table goes and
+    # the database's collation is back.
+    from delayq import DelayedQueue
+
+    prefix = "mig10_"
+    m = make_tables(prefix).messages
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0007", prefix=prefix)
+
+    def collations() -> set[str | None]:
+        if backend.name != "postgresql":
+            return set()
+        with backend.engine.connect() as conn:
+            return set(
+                conn.execute(
+                    sa.text(
+                        "SELECT collation_name FROM information_schema.columns WHERE column_name = 'key' "
+                        "AND table_name IN (:m, :d, :f)"
+                    ),
+                    {"m": f"{prefix}messages", "d": f"{prefix}dead_letters", "f": f"{prefix}finished"},
+                ).scalars()
+            )
+
+    try:
+        with backend.engine.begin() as conn:  # below head delayq refuses to run: the old schema, written directly
+            for key in ["order/a", "order/B", "other"]:
+                row = {"queue": "q", "key": key, "payload": b"1", "payload_type": "json", "scheduled_at": 0}
+                conn.execute(sa.insert(m).values(row | {"scheduled_at_initially": 0, "created_at": 0}))
+        assert collations() == ({None} if backend.name == "postgresql" else set())
+        migrations.upgrade(backend.url, prefix=prefix)
+        assert schema_diff(backend.engine, prefix) == []
+        assert collations() == ({"C"} if backend.name == "postgresql" else set())
+        queue = DelayedQueue(backend.engine, "q", table_prefix=prefix)
+        assert queue.get("order/B") is not None and queue.offer("order/a", 2).name == "IGNORED"
+        with backend.engine.connect() as conn:
+            from delayq.browse import keys_under
+
+            assert keys_under(conn, make_tables(prefix), "q", "order/") == ["order/B", "order/a"]
+        assert queue.cancel_prefix("order/") == 2
+        migrations.downgrade(backend.url, "delayq_0007", prefix=prefix)
+        assert collations() == ({None} if backend.name == "postgresql" else set())
+        with backend.engine.connect() as conn:
+            assert not sa.inspect(conn).has_table(f"{prefix}workers")
+            assert conn.execute(sa.select(m.c.key)).scalars().all() == ["other"]
+    finally:
+        migrations.downgrade(backend.url, prefix=prefix)
+
+
+def test_delayq_0007_upgrades_live_in_flight_and_dead_messages_without_losing_or_rerunning_any(
+    backend: Backend,
+) -> None:
+    # At delayq_0006: a ready message, one in flight (its lock unexpired), a dead letter. `delayq migrate`
+    # takes them to 0007: the in-flight one is not delivered again and its holder's ack (the token it
+    # holds) completes it; the ready one is delivered once; the dead letter is kept (no expiry). Down
+    # again, the rows stay and the new tables and columns are gone.
+    from click.testing import CliRunner
+
+    from delayq import DelayedQueue, Delivery
+    from delayq.cli import main
+
+    prefix = "mig7_"
+    t = make_tables(prefix)
+    new_columns = {"tags", "unique_for_ms", "expires_at"}
+    migrations.downgrade(backend.url, prefix=prefix)
+    migrations.upgrade(backend.url, "delayq_0006", prefix=prefix)
+    far = 4_102_444_800_000  # 2100: the in-flight message's lock expiry
+    try:
+        with backend.engine.begin() as conn:  # below head delayq refuses to run: the old schema, written directly
+            base = {"queue": "q", "payload": b"1", "payload_type": "json", "scheduled_at_initially": 0, "created_at": 0}
+            conn.execute(sa.insert(t.messages).values(key="ready", scheduled_at=0, attempts=0, **base))
+            conn.execute(
+                sa.insert(t.messages).values(key="held", scheduled_at=far, attempts=1, lock_token="tok-held", **base)
+            )
+            dead = {k: v for k, v in base.items() if k != "scheduled_at"}
+            conn.execute(
+                sa.insert(t.dead_letters).values(key="dead", attempts=3, last_error="boom", failed_at=5, **dead)
+            )
+            held_id = conn.execute(sa.select(t.messages.c.id).where(t.messages.c.key == "held")).scalar_one()
+        out = CliRunner().invoke(main, ["--url", backend.url, "--prefix", prefix, "migrate"], catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        assert schema_diff(backend.engine, prefix) == []
+        queue = DelayedQueue(backend.engine, "q", table_prefix=prefix, retention=dt.timedelta(hours=1))
+        assert queue.stats().dead == 1 and queue.stats().in_flight == 1
+        [ready] = queue.try_poll_many(10)  # the held one is not delivered again
+        assert (ready.key, ready.attempts) == ("ready", 1)
+        at = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+        held = Delivery(held_id, "held", 1, 1, at, at, at, at, "tok-held", queue)
+        assert queue.ack_many([held, ready]) == 2
+        done = queue.get("held")
+        assert done is not None and (done.state, done.attempts) == ("completed", 1)
+        with backend.engine.connect() as conn:
+            assert conn.execute(sa.select(t.dead_letters.c.expires_at)).scalars().all() == [None]
+        assert queue.requeue_dead("dead")
+        migrations.downgrade(backend.url, "delayq_0006", prefix=prefix)
+        with backend.engine.connect() as conn:
+            names = {c["name"] for c in sa.inspect(conn).get_columns(f"{prefix}messages")}
+            names |= {c["name"] for c in sa.inspect(conn).get_columns(f"{prefix}dead_letters")}
+            assert not names & new_columns
+            assert not sa.inspect(conn).has_table(f"{prefix}finished")
+            assert not sa.inspect(conn).has_table(f"{prefix}chores")
+            assert conn.execute(sa.text(f"SELECT count(*) FROM {prefix}messages")).scalar_one() == 1  # requeued
     finally:
         migrations.downgrade(backend.url, prefix=prefix)

@@ -198,3 +198,48 @@ def test_a_cancelled_claim_whose_commit_reply_never_comes_gives_its_connection_b
     with FaultProxy.for_url(server.url) as proxy:
         asyncio.run(main(proxy))
     assert direct.get("m") is None
+
+
+# -- the threaded worker's idle claim of one, its reply lost or late (PostgreSQL) ------------------
+@pytest.mark.parametrize("fault", ["cut", "held"])
+def test_the_threaded_workers_idle_claim_of_one_loses_nothing_and_runs_nothing_twice_when_its_reply_is(
+    postgres: Backend, fault: str
+) -> None:
+    """An idle ``Worker`` on PostgreSQL claims one message in one autocommitted statement: the server commits
+    it before replying. Reply cut (the connection dies): the message is not lost behind a lock nobody holds
+    (given back at once, the attempt not counted) and runs once. Reply late (held 2 s, the worker waiting):
+    while its holder lives no other worker gets it; the holder runs it, once."""
+    from test_worker import handler_for, wait_until
+
+    from delayq import Worker
+
+    queue_name = f"review-{uuid.uuid4().hex[:12]}"
+    direct = DelayedQueue(postgres.engine, queue_name)  # the database's clock: a 5 min visibility timeout
+    direct.offer("m", {"n": 1})
+    runs: list[tuple[str, int]] = []
+
+    def worker(name: str, engine: sa.Engine) -> Worker:
+        handler = handler_for(queue_name, lambda d, _: runs.append((name, d.attempts)))
+        return Worker(engine, [handler], poll_interval=dt.timedelta(milliseconds=20), listen=False)
+
+    with FaultProxy.for_url(postgres.url) as proxy:
+        engine = make_engine(proxy.url_for(postgres.url))
+        if fault == "cut":
+            at_first_claim(engine, lambda: proxy.cut_after(b"SKIP LOCKED"))
+        else:
+            at_first_claim(engine, lambda: proxy.hold_reply_after(b"SKIP LOCKED", 2.0))
+        holder, other = worker("holder", engine), worker("other", postgres.engine)
+        holder.start()
+        try:
+            wait_until(lambda: proxy.stats.cuts + proxy.stats.held == 1, "the claim's reply cut or held")
+            if fault == "held":  # committed, its reply held: locked for the holder, who waits for the reply
+                assert direct.try_poll() is None
+            other.start()  # another worker polls meanwhile (and after)
+            wait_until(lambda: direct.get("m") is None, "the message handled and acked")
+        finally:
+            assert holder.stop() and other.stop()
+            engine.dispose()
+    if fault == "cut":  # given back, then claimed anew by either: its first counted attempt, run once
+        assert len(runs) == 1 and runs[0][1] == 1, runs
+    else:  # the holder lived: nobody else got it
+        assert runs == [("holder", 1)]

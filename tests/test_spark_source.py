@@ -30,7 +30,14 @@ import delayq.spark
 from delayq import DelayedQueue, Topic
 from delayq.schema import make_tables
 from delayq.spark.options import SourceOptions
-from delayq.spark.read import MESSAGE_SCHEMA, DelayqReader, PushdownReader, QueueSlice, pushdown_supported
+from delayq.spark.read import (
+    MESSAGE_SCHEMA,
+    DelayqReader,
+    PushdownReader,
+    QueueSlice,
+    condition,
+    pushdown_supported,
+)
 from delayq.spark.source import DelayqDataSource
 from delayq.spark.stream import CollectedError, TopicStreamReader, plan_limit
 from delayq.spark.write import layout_for, write_rows
@@ -133,6 +140,36 @@ def test_batch_write_offers_idempotently_then_reads_back_typed(
     assert [(r["key"], r["last_error"], r["attempts"]) for r in dead.collect()] == [("order-0000", "bad", 1)]
     assert dict(dead.dtypes)["failed_at"] == "timestamp"
     assert source(spark, backend, queue=f"{queue_name}-empty").load().count() == 0
+
+
+def test_a_read_of_finished_messages_exposes_their_states_results_and_durations(
+    spark: SparkSession, backend: Backend, queue_name: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name, retention=dt.timedelta(hours=1))
+    q.offer_many([(f"k{i}", {"n": i}, None) for i in range(3)])
+    for d in q.try_poll_many(3):
+        assert d.ack(result={"double": d.payload["n"] * 2}, duration=dt.timedelta(milliseconds=10 * d.payload["n"]))
+    q.offer("live", 1)
+    read = source(spark, backend, queue=queue_name, finished="true").load()
+    assert dict(read.dtypes)["finished_at"] == "timestamp" and dict(read.dtypes)["duration_ms"] == "bigint"
+    rows = sorted(read.collect(), key=lambda r: r["key"])
+    assert [(r["key"], r["state"], r["result_json"], r["duration_ms"]) for r in rows] == [
+        (f"k{i}", "completed", f'{{"double":{2 * i}}}', 10 * i) for i in range(3)
+    ]
+    filtered = source(spark, backend, queue=queue_name, finished="true").load()
+    assert filtered.where(F.col("state") == "completed").count() == 3
+    assert (
+        source(spark, backend, queue=queue_name, finished="true").load().where(F.col("state") == "cancelled").count()
+        == 0
+    )
+    fin = make_tables().finished  # a planner that pushes filters: the state is the stored number
+    for state, n in (("completed", 3), ("cancelled", 0)):
+        where = condition(fin, ("state", "in", [state]), None)
+        with backend.engine.connect() as conn:
+            stmt = sa.select(sa.func.count()).select_from(fin).where(fin.c.queue == queue_name, where)
+            assert conn.execute(stmt).scalar_one() == n
+    with pytest.raises(Exception, match="option 'finished' applies to a queue"):
+        source(spark, backend, queue=queue_name, finished="true", dead="true").load().collect()
 
 
 def test_filters_are_pushed_down_and_only_matching_rows_are_read(

@@ -63,7 +63,7 @@ EXPECTED = {
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
-            "delayq_messages.id = ANY (%(ids)s::BIGINT[])"
+            "delayq_messages.id = ANY (%(ids)s::BIGINT[]) AND delayq_messages.unique_for_ms IS NULL"
         ),
     },
     "mysql": {
@@ -91,7 +91,7 @@ EXPECTED = {
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %s AND delayq_messages.id IN "
-            "(__[POSTCOMPILE_ids])"
+            "(__[POSTCOMPILE_ids]) AND delayq_messages.unique_for_ms IS NULL"
         ),
     },
     "sqlite": {
@@ -110,7 +110,7 @@ EXPECTED = {
         "lock_taken": "UPDATE delayq_messages SET scheduled_at=? WHERE delayq_messages.lock_token = ?",
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
-            "(SELECT anon_1.value FROM json_each(?) AS anon_1)"
+            "(SELECT anon_1.value FROM json_each(?) AS anon_1) AND delayq_messages.unique_for_ms IS NULL"
         ),
     },
 }

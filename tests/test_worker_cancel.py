@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 import sqlalchemy as sa
-from test_cancel import finished_rows
+from test_cancel import cancelled, finished_rows
 from test_worker import wait_until
 from test_worker_contract import FAST, Driver, Running
 from test_worker_contract import driver as driver  # the fixture
@@ -92,7 +92,7 @@ def test_a_running_handler_is_told_recorded_cancelled_and_its_ack_changes_nothin
     finally:
         assert worker.stop()
     assert acked == [False]
-    assert runs["k"] == 1 and q.get("k") is None and q.dead_letters() == []
+    assert runs["k"] == 1 and cancelled(q, "k") and q.dead_letters() == []
     [row] = finished_rows(driver.backend.engine, queue_name)
     assert (row.key, row.state, row.tags) == ("k", FINISHED_CANCELLED, ",report,")
 
@@ -131,7 +131,7 @@ def test_a_handler_failing_after_its_cancel_is_not_retried(driver: Driver, queue
     finally:
         assert worker.stop()
     assert runs == Counter({"raises": 1, "stops": 1, "after": 1})
-    assert q.get("raises") is None and q.get("stops") is None and q.dead_letters() == []
+    assert cancelled(q, "raises") and cancelled(q, "stops") and q.dead_letters() == []
     assert sorted(r.key for r in finished_rows(driver.backend.engine, queue_name)) == ["raises", "stops"]
 
 
@@ -173,5 +173,5 @@ def test_an_async_handlers_task_is_cancelled(driver: Driver, queue_name: str, cl
     finally:
         assert worker.stop()
     assert runs == Counter({"k": 1, "after": 1})
-    assert q.get("k") is None and q.dead_letters() == []
+    assert cancelled(q, "k") and q.dead_letters() == []
     assert [r.state for r in finished_rows(driver.backend.engine, queue_name)] == [FINISHED_CANCELLED]

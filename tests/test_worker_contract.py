@@ -21,10 +21,11 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
+from _history import History, Runs, overlap, started
 from conftest import Backend, count_rows, make_async_engine
 from test_topics_worker import holders, keys_for
 from test_worker import wait_until
-from test_worker_shutdown import Runs, locked_beyond
+from test_worker_shutdown import locked_beyond
 
 from delayq import (
     DeadLetter,
@@ -611,15 +612,6 @@ def test_transactional_queue_handlers_write_exactly_once_when_locks_are_lost(
 
 
 # -- flow control: a limited queue under the worker -------------------------------------------------------
-def overlap(history: list[tuple[int, str, str]]) -> int:
-    """The most handlers between their start and their end at once, from (ns, event, key) records."""
-    running = most = 0
-    for _, event, _ in sorted(history, key=lambda h: (h[0], h[1] == "start")):  # an end before a start at a tie
-        running += 1 if event == "start" else -1
-        most = max(most, running)
-    return most
-
-
 @pytest.mark.parametrize("limit", ["concurrency", "group"])
 def test_a_limited_queue_drains_with_its_limit_held(driver: Driver, queue_name: str, limit: str) -> None:
     """Eight slots on a queue limited to two running (a concurrency limit, or one group of two): the
@@ -634,15 +626,12 @@ def test_a_limited_queue_drains_with_its_limit_held(driver: Driver, queue_name: 
     else:
         q.set_group_concurrency(2)
         q.offer_many(items, group="g")
-    history: list[tuple[int, str, str]] = []
-    lock = threading.Lock()
+    history = History()
 
     def body(d: Delivery, _: object) -> None:
-        with lock:
-            history.append((time.monotonic_ns(), "start", d.key))
+        history.record("start", d.key)
         time.sleep(0.001)  # (a little work, so that handlers could overlap)
-        with lock:
-            history.append((time.monotonic_ns(), "end", d.key))
+        history.record("end", d.key)
 
     worker = driver.worker(
         [driver.queue_handler(queue_name, body)], concurrency=8, poll_interval=dt.timedelta(hours=1), listen=False
@@ -652,8 +641,8 @@ def test_a_limited_queue_drains_with_its_limit_held(driver: Driver, queue_name: 
         wait_until(lambda: q.stats().ready + q.stats().in_flight == 0, "the queue to drain", 120)
     finally:
         assert worker.stop()
-    assert sorted(k for _, e, k in history if e == "start") == [k for k, _, _ in items]
-    assert overlap(history) <= 2
+    assert started(history.records) == [k for k, _, _ in items]
+    assert overlap(history.records) <= 2
 
 
 def test_an_ack_wakes_the_fetch_only_for_a_queue_whose_claims_count_held_messages(

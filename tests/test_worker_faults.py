@@ -25,7 +25,7 @@ from faults import hold_row_lock
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from test_worker import handler_for, wait_until
 from test_worker_contract import Driver, Running
-from test_worker_processes import markers_of, processes, start_worker  # noqa: F401 (a fixture)
+from test_worker_processes import markers_of, start_worker
 
 from delayq import (
     DelayedQueue,
@@ -368,7 +368,7 @@ def test_sigterm_past_the_shutdown_timeout_exits_without_releasing_the_running_h
     backend: Backend,
     queue_name: str,
     tmp_path: Path,
-    processes: list[subprocess.Popen[bytes]],  # noqa: F811
+    processes: list[subprocess.Popen[bytes]],
     kind: str,
 ) -> None:
     q = DelayedQueue(backend.engine, queue_name)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import REPO_ROOT, Backend
+from _history import spawn_worker
+from conftest import Backend
 from test_worker import wait_until
 
 from delayq import DelayedQueue
@@ -29,44 +27,14 @@ def start_worker(
     driver: str = "threads",
 ) -> subprocess.Popen[bytes]:
     env = {
-        **os.environ,
-        "DELAYQ_URL": backend.url,
         "DELAYQ_TEST_QUEUE": queue,
         "DELAYQ_TEST_MARKERS": str(markers),
         "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
         "DELAYQ_TEST_VISIBILITY": str(visibility),
         "DELAYQ_TEST_DRIVER": driver,
-        "PYTHONPATH": str(REPO_ROOT / "tests"),
     }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "delayq.cli",
-            "worker",
-            "worker_app:handlers",
-            "--concurrency",
-            str(concurrency),
-            "--shutdown-timeout",
-            str(shutdown_timeout),
-            "--driver",
-            driver,
-        ],
-        env=env,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+    args = ["--concurrency", str(concurrency), "--shutdown-timeout", str(shutdown_timeout), "--driver", driver]
+    return spawn_worker(backend, "worker_app:handlers", env, args)
 
 
 def markers_of(markers: Path, suffix: str) -> dict[str, str]:

@@ -9,20 +9,15 @@ handler runs and checks it: nothing lost, nothing run by two holders at once.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
-import threading
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import REPO_ROOT, Backend
+from _history import spawn_worker
+from conftest import Backend
 from test_topics_worker import wait_until
 
 from delayq import (
@@ -40,33 +35,6 @@ QUICK_STOP = {"poll_interval": dt.timedelta(milliseconds=20), "shutdown_timeout"
 @pytest.fixture
 def topic_name() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
-
-
-class Runs:
-    """Every handler run, as (holder, message, start, end): a history to find overlaps and losses."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.runs: list[list[Any]] = []
-
-    def begin(self, holder: str, message: str) -> list[Any]:
-        run = [holder, message, time.monotonic(), None]
-        with self.lock:
-            self.runs.append(run)
-        return run
-
-    def of(self, message: str) -> list[list[Any]]:
-        with self.lock:
-            return [list(r) for r in self.runs if r[1] == message]
-
-    def check_no_overlap(self) -> None:
-        with self.lock:
-            runs = [list(r) for r in self.runs]
-        for i, (h1, m1, s1, e1) in enumerate(runs):
-            for h2, m2, s2, e2 in runs[i + 1 :]:
-                if m1 == m2:
-                    overlap = (e1 is None or s2 < e1) and (e2 is None or s1 < e2)
-                    assert not overlap, f"{m1} run by {h1} and {h2} at once"
 
 
 # -- topics: never-started deliveries go back uncounted (what still runs is kept: tests/test_worker_contract.py) --
@@ -110,19 +78,14 @@ def start_worker(
     driver: str = "threads",
 ) -> subprocess.Popen[bytes]:
     env = {
-        **os.environ,
-        "DELAYQ_URL": backend.url,
         "DELAYQ_TEST_KIND": kind,
         "DELAYQ_TEST_NAME": name,
         "DELAYQ_TEST_MARKERS": str(markers),
         "DELAYQ_TEST_HANDLER_SECONDS": str(seconds),
         "DELAYQ_TEST_EXIT_DELAY": str(exit_delay),
         "DELAYQ_TEST_DRIVER": driver,
-        "PYTHONPATH": str(REPO_ROOT / "tests"),
     }
-    command = [sys.executable, "-m", "delayq.cli", "worker", "shutdown_app:handlers", "--shutdown-timeout", "1"]
-    command += ["--driver", driver]
-    return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return spawn_worker(backend, "shutdown_app:handlers", env, ["--shutdown-timeout", "1", "--driver", driver])
 
 
 def marker_times(markers: Path, suffix: str) -> dict[tuple[str, int], float]:
@@ -132,16 +95,6 @@ def marker_times(markers: Path, suffix: str) -> dict[tuple[str, int], float]:
         message, pid, _ = p.name.rsplit(".", 2)
         found[message, int(pid)] = float(p.read_text())
     return found
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 @pytest.mark.parametrize("driver", ["threads", "asyncio"])

@@ -78,7 +78,11 @@ def test_a_queue_handler_past_its_timeout_is_reported_once_and_keeps_its_message
         wait_until(lambda: runs["job"] == 1, "the handler to start")
         assert worker.health().stuck == 0
         clock.advance(31 * SECOND)  # past the timeout
-        wait_until(lambda: worker.health().stuck == 1, "the handler to be found overdue")
+        # (the health count moves before the event is emitted: wait for both)
+        wait_until(
+            lambda: worker.health().stuck == 1 and events.seen["overdue", queue_name] >= 1,
+            "the handler to be found overdue",
+        )
         assert events.seen["overdue", queue_name] == 1
         assert len(overdue_lines(caplog)) == 1 and "'job'" in overdue_lines(caplog)[0]
         wait_until(lambda: other.get("job").scheduled_at > clock.now(), "the lock to be extended")  # type: ignore[union-attr]
@@ -118,7 +122,11 @@ def test_a_topic_handler_past_its_timeout_is_reported_once_and_keeps_its_message
     try:
         wait_until(lambda: runs["m1"] == 1, "the handler to start")
         clock.advance(31 * SECOND)
-        wait_until(lambda: worker.health().stuck == 1, "the handler to be found overdue")
+        # (the health count moves before the event is emitted: wait for both)
+        wait_until(
+            lambda: worker.health().stuck == 1 and events.seen["overdue", topic_name] >= 1,
+            "the handler to be found overdue",
+        )
         assert events.seen["overdue", topic_name] == 1
         assert len(overdue_lines(caplog)) == 1 and "'m1'" in overdue_lines(caplog)[0]
         other = Subscription(engine, topic_name, "g", "other", clock=clock)

@@ -8,10 +8,10 @@ import functools
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from delayq import browse
-from delayq.browse import State, StoredMessage
+from delayq.browse import State, StoredMessage, WorkerInfo
 from delayq.schema import Tables
 
-__all__ = ["list_messages", "queue_names"]
+__all__ = ["list_messages", "list_workers", "queue_names"]
 
 
 async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
@@ -29,9 +29,12 @@ async def list_messages(
     key_prefix: str | None = None,
     key: str | None = None,
     limit: int = 100,
+    after: tuple[int, int, str] | None = None,
+    by_key: bool = False,
     tag: str | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time; see ``delayq.browse``."""
+    """A queue's messages (or dead letters, with ``State.DEAD``), by due time, a keyset page at a time;
+    see ``delayq.browse``."""
     view = functools.partial(
         browse.list_messages,
         tables=tables,
@@ -41,6 +44,13 @@ async def list_messages(
         key_prefix=key_prefix,
         key=key,
         limit=limit,
+        after=after,
+        by_key=by_key,
         tag=tag,
     )
     return await conn.run_sync(view)
+
+
+async def list_workers(conn: AsyncConnection, tables: Tables) -> list[WorkerInfo]:
+    """The workers in the worker registry, oldest first; see ``delayq.browse.list_workers``."""
+    return await conn.run_sync(browse.list_workers, tables)

@@ -20,10 +20,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
-from delayq.clock import Clock
+from delayq.clock import Clock, duration_ms
+from delayq.dialects import dialect_for
+from delayq.errors import InvalidInputError
 from delayq.history import AttemptRecord
 from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
+from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import Serializer
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
@@ -41,7 +44,8 @@ class AsyncDelayedQueue:
     Args:
         engine: an ``AsyncEngine`` (psycopg async, asyncmy/aiomysql, aiosqlite) on the database
             holding delayq's tables.
-        name, visibility_timeout, serializer, clock, table_prefix, schema, notify, max_deliveries:
+        name, visibility_timeout, serializer, clock, table_prefix, schema, notify, max_deliveries,
+            flow_refresh, retention, keep_results, result_limit, unique_for, dead_letter_retention:
             as for ``DelayedQueue`` (the same defaults).
         transient_retry: how delayq retries its own transactions; the pauses are ``asyncio.sleep``.
 
@@ -64,10 +68,14 @@ class AsyncDelayedQueue:
         notify: bool = True,
         max_deliveries: int | None = None,
         flow_refresh: dt.timedelta = dt.timedelta(seconds=1),
+        retention: dt.timedelta = dt.timedelta(0),
+        keep_results: bool = True,
+        result_limit: int = DEFAULT_RESULT_LIMIT,
+        unique_for: dt.timedelta | None = None,
+        dead_letter_retention: dt.timedelta | None = None,
     ) -> None:
-        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
-        self.engine = engine
-        self.sync = DelayedQueue(
+        self.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")  # (first: it checks the engine's API)
+        sync = DelayedQueue(
             engine.sync_engine,
             name,
             visibility_timeout=visibility_timeout,
@@ -79,7 +87,27 @@ class AsyncDelayedQueue:
             notify=notify,
             max_deliveries=max_deliveries,
             flow_refresh=flow_refresh,
+            retention=retention,
+            keep_results=keep_results,
+            result_limit=result_limit,
+            unique_for=unique_for,
+            dead_letter_retention=dead_letter_retention,
         )
+        self._wrap(engine, sync)
+
+    @classmethod
+    def _around(cls, engine: AsyncEngine, sync: DelayedQueue, transient_retry: TransientRetry) -> AsyncDelayedQueue:
+        """The async queue running ``sync``'s operations, configured as ``sync`` is (the worker's queues:
+        the core decides their configuration). ``sync`` is on ``engine.sync_engine`` with ``NO_RETRY``."""
+        assert sync.engine is engine.sync_engine
+        aq = cls.__new__(cls)
+        aq.bridge = Bridge(engine, transient_retry, "AsyncDelayedQueue")
+        aq._wrap(engine, sync)
+        return aq
+
+    def _wrap(self, engine: AsyncEngine, sync: DelayedQueue) -> None:
+        self.engine = engine
+        self.sync = sync
         """The sync queue whose operations this one runs (its engine is ``engine.sync_engine``)."""
         self._giving_back: set[asyncio.Task[None]] = set()
 
@@ -107,6 +135,7 @@ class AsyncDelayedQueue:
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
+        unique_for: dt.timedelta | None = None,
         tags: Iterable[str] | None = None,
         using: AsyncUsing = None,
     ) -> OfferOutcome:
@@ -114,7 +143,15 @@ class AsyncDelayedQueue:
         return await self._run(
             using,
             lambda u: self.sync.offer(
-                key, payload, at, update=update, priority=priority, group=group, tags=tags, using=u
+                key,
+                payload,
+                at,
+                update=update,
+                priority=priority,
+                group=group,
+                unique_for=unique_for,
+                tags=tags,
+                using=u,
             ),
         )
 
@@ -125,6 +162,7 @@ class AsyncDelayedQueue:
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
+        unique_for: dt.timedelta | None = None,
         tags: Iterable[str] | None = None,
         using: AsyncUsing = None,
     ) -> list[OfferOutcome]:
@@ -132,7 +170,9 @@ class AsyncDelayedQueue:
         listed = list(items)
         return await self._run(
             using,
-            lambda u: self.sync.offer_many(listed, update=update, priority=priority, group=group, tags=tags, using=u),
+            lambda u: self.sync.offer_many(
+                listed, update=update, priority=priority, group=group, unique_for=unique_for, tags=tags, using=u
+            ),
         )
 
     # -- flow control ---------------------------------------------------------------------------
@@ -263,9 +303,53 @@ class AsyncDelayedQueue:
         """The headers an offer stored with the message under ``key`` (the trace context, with tracing on)."""
         return await self._run(using, lambda u: self.sync.headers(key, using=u))
 
-    async def get(self, key: str, *, using: AsyncUsing = None) -> Message | None:
-        """The message stored under ``key``, or None."""
-        return await self._run(using, lambda u: self.sync.get(key, using=u))
+    async def get(self, key: str, *, include_dead: bool = False, using: AsyncUsing = None) -> Message | None:
+        """The message stored under ``key`` with its state, or None; see ``DelayedQueue.get``."""
+        return await self._run(using, lambda u: self.sync.get(key, include_dead=include_dead, using=u))
+
+    async def wait(self, key: str, timeout: dt.timedelta, *, using: AsyncUsing = None) -> Message | None:
+        """Wait until no live message holds ``key``, then what was kept of it; see ``DelayedQueue.wait``.
+
+        ``TimeoutError`` after ``timeout``. On PostgreSQL a completion's NOTIFY wakes it; it polls
+        meanwhile (every 50 ms, backing off to 1 s).
+        """
+        limit = duration_ms(timeout, "timeout") / 1000
+        if limit < 0:
+            raise InvalidInputError("timeout must not be negative")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        heard = asyncio.Event()
+        listener = self._listen_for_finished(heard) if self.sync.notify else None
+        try:
+            pause = 0.05
+            while True:
+                found = await self.get(key, include_dead=True, using=using)
+                if found is None or found.finished:
+                    return found
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"message {key!r} of queue {self.name!r} still {found.state} after {timeout}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(heard.wait(), min(left, 1.0 if listener is not None else pause))
+                heard.clear()
+                pause = min(pause * 2, 1.0)
+        finally:
+            if listener is not None:
+                listener.cancel()
+
+    def _listen_for_finished(self, heard: asyncio.Event) -> asyncio.Task[None] | None:
+        """A task that sets ``heard`` when a completion of this queue is notified (PostgreSQL); None elsewhere."""
+        dialect = dialect_for(self.engine.sync_engine)
+        if not dialect.can_notify:
+            return None
+
+        async def listen() -> None:
+            with contextlib.suppress(Exception):  # the caller polls anyway
+                async for notified in dialect.listen_async(self.engine, self.sync.tables.finished.name):
+                    if notified == self.name:
+                        heard.set()
+
+        return asyncio.get_running_loop().create_task(listen())
 
     async def cancel(self, key: str, *, using: AsyncUsing = None) -> bool:
         """Cancel the message stored under ``key``; True when there was one (see ``DelayedQueue.cancel``)."""
@@ -429,8 +513,10 @@ class AsyncDelivery:
         """The message's earlier failed attempts, oldest first (read from the database on first use)."""
         return await self.queue_of.bridge.call(getattr, self.delivery, "attempt_history")
 
-    async def ack(self, *, using: AsyncUsing = None) -> bool:
-        """Delete the message; True when this delivery still held the lock."""
+    async def ack(self, *, result: Any = None, duration: dt.timedelta | None = None, using: AsyncUsing = None) -> bool:
+        """Delete the message (or keep it as completed, with ``result`` and ``duration``: see ``Delivery.ack``);
+        True when this delivery still held the lock."""
+        self.delivery._finished_with(result, duration)
         return await self.queue_of.ack_many([self], using=using) == 1
 
     async def retry(

@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import inspect
 import logging
+import random
 import signal
 import threading
 import time
@@ -38,6 +39,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from delayq import observe
 from delayq._outcome import TimedOut
+from delayq.aio.bridge import NO_RETRY
 from delayq.aio.queue import AsyncDelayedQueue, AsyncDelivery
 from delayq.clock import Clock
 from delayq.cron.service import CronService
@@ -46,6 +48,8 @@ from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
+from delayq.runtime import _topic_observe as topic_observe
+from delayq.runtime._chores import PruneChore
 from delayq.runtime._core import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Core, WorkerHealth, backoff, exit_now
 from delayq.runtime._jobs import Job, describe, overdue
 from delayq.runtime._sources import QueueSource
@@ -72,8 +76,9 @@ class AsyncHandler(Handler):
 
     async def handle(  # type: ignore[override]
         self, delivery: AsyncDelivery, conn: AsyncConnection | None = None
-    ) -> None:
-        """Process one delivery; ``conn`` is given to transactional handlers."""
+    ) -> Any:
+        """Process one delivery; ``conn`` is given to transactional handlers. What it returns is the
+        message's result (kept with a queue history: ``Handler.retention``)."""
         raise NotImplementedError(f"{type(self).__name__}.handle")
 
 
@@ -140,6 +145,7 @@ class AsyncWorker:
             listen=listen,
             stall_timeout=stall_timeout,
             coroutines=True,
+            transient_retry=NO_RETRY,
         )
         self.engine = engine.sync_engine
         self.async_engine = engine
@@ -166,20 +172,8 @@ class AsyncWorker:
             h = source.handler
             if not inspect.iscoroutinefunction(h.handle):
                 raise InvalidInputError(f"{type(h).__name__}.handle must be a coroutine (async def) in an AsyncWorker")
-            aq = AsyncDelayedQueue(
-                engine,
-                name,
-                serializer=h.serializer,
-                visibility_timeout=h.visibility_timeout,
-                clock=clock,
-                table_prefix=table_prefix,
-                schema=schema,
-                transient_retry=transient_retry,
-                max_deliveries=h.retry.max_attempts,
-                flow_refresh=core.flow_refresh,
-            )
-            self.async_queues[name] = aq
-            source.queue = aq.sync  # the sync core, retried by the worker's loops
+            # The core's queue (built with NO_RETRY: the worker's loops retry), run by the async one.
+            self.async_queues[name] = AsyncDelayedQueue._around(engine, source.queue, transient_retry)
             source.unknown_claims = []  # claims whose reply never came: given back by token
         self._jobs = core.jobs
         self._topics = core.topics
@@ -302,8 +296,13 @@ class AsyncWorker:
             self._loop_tasks["listen"] = asyncio.create_task(self._listen_task())
         if self._topics:
             self._loop_tasks["topics"] = asyncio.create_task(self._topics_task())
+        if core.topic_gc:
+            self._loop_tasks["topics-gc"] = asyncio.create_task(self._topic_gc_task())
         schedules = [asyncio.create_task(self._schedule_task(s)) for s in core.schedules.services.values()]
+        if core.pruner is not None:
+            schedules.append(asyncio.create_task(self._prune_task(core.pruner)))
         log.info("async %s", core.started_line())
+        await self._registry(core.register)
         cancelled = False
         try:
             await self._fetch_task()
@@ -380,6 +379,22 @@ class AsyncWorker:
                 log.warning("topics: %s", describe(exc))
             await asyncio.sleep(TOPICS_TICK)
 
+    async def _topic_gc_task(self) -> None:
+        """The worker's topic garbage collection, as the threaded worker's thread (``TopicCollector``): a
+        round in a greenlet, then a wait; it ends with the topics task."""
+        collector = self._core.topic_gc
+        wait = min(collector.interval, 1.0) * random.random()
+        while not self._topics_end:
+            if wait > 0:
+                await asyncio.sleep(min(wait, 0.5))
+                wait -= 0.5
+                continue
+            try:
+                wait = await self._call(collector.next_wait)
+            except Exception as exc:  # (a stalled call) the next round tries again
+                log.warning("topic garbage collection: %s", describe(exc))
+                wait = collector.interval
+
     async def _stop_topics_task(self) -> None:
         """End the topics task between two rounds (cancelled inside one, its transaction would stay open on a
         connection nobody returns); a round stuck for 10 s is cancelled all the same."""
@@ -387,8 +402,11 @@ class AsyncWorker:
         if task is None or task.done():
             return
         self._topics_end = True
-        await asyncio.wait([task], timeout=10.0)
+        gc = self._loop_tasks.get("topics-gc")
+        await asyncio.wait([task] if gc is None else [task, gc], timeout=10.0)
         task.cancel()
+        if gc is not None:
+            gc.cancel()
 
     def _maintain_topics(self) -> None:
         for c in self._topics.consumers:
@@ -411,6 +429,19 @@ class AsyncWorker:
                 wait = service.min_refresh
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._schedules_end.wait(), wait.total_seconds())
+
+    async def _prune_task(self, pruner: PruneChore) -> None:
+        """The pruner's loop, as the threaded worker's pruner thread (ended with the schedule tasks)."""
+        assert self._schedules_end is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._schedules_end.wait(), pruner.pause())
+            if self._schedules_end.is_set():
+                return
+            try:
+                await self._call(pruner.step)
+            except Exception as exc:  # a stalled round (``step`` logs its own failures)
+                log.warning("pruner: %s", describe(exc))
 
     async def _stop_schedules(self, tasks: list[asyncio.Task[None]]) -> None:
         """End the schedule tasks between two rounds; a round stuck for 5 s is cancelled."""
@@ -446,15 +477,15 @@ class AsyncWorker:
 
     async def _listen_task(self) -> None:
         errors = 0
-        queues = self._core.queue_sources
+        wakes = self._core.wakes
         while True:
             try:
                 listener = dialect_for(self.engine).listen_async(self.async_engine, self._core.channel, cancels=True)
-                async for said in listener:
+                async for name in listener:
                     errors = 0
-                    if self._core.heard_cancel(said):
+                    if self._core.heard_cancel(name):
                         self._cancel_lost()
-                    elif said in queues:
+                    elif wakes(name):
                         self._poke()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
@@ -496,6 +527,7 @@ class AsyncWorker:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(kept), name="delayq-keeper")
         else:
             core.forget_unacked()
+        await self._registry(core.deregister)
         log.info("async worker stopped")
 
     async def _keep(self, consumers: list[TopicConsumer]) -> None:
@@ -626,6 +658,7 @@ class AsyncWorker:
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
                 error = exc
             if handler.transactional and error is None:
+                topic_observe.outcome(consumer, job, "acked", None)
                 await self._bounded(consumer.forget, job, done)  # acked in its transaction
             else:
                 await self._bounded(consumer.finish, job, error, done)
@@ -678,6 +711,7 @@ class AsyncWorker:
         try:
             await greenlet_spawn(consumer.sub.handle_exactly_once, job.delivery, in_transaction)
         except LeaseLostError:
+            topic_observe.outcome(consumer, job, "lease_lost", None)
             log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
             return False
         except Exception as exc:
@@ -698,7 +732,9 @@ class AsyncWorker:
                         handler, aq, AsyncDelivery(delivery, aq), self._core.stall_timeout
                     )
                 else:
-                    await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    started = time.monotonic()
+                    result = await _observed(delivery, handler.handle(AsyncDelivery(delivery, aq)))
+                    delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
                     to_ack = True
             finally:
                 self._in_handler.discard(id(job))
@@ -746,10 +782,12 @@ class AsyncWorker:
         try:
             async with bound, aq.transaction() as conn:
                 begun = True
-                await _observed(delivery.delivery, handler.handle(delivery, conn))
+                started = time.monotonic()
+                result = await _observed(delivery.delivery, handler.handle(delivery, conn))
+                took = dt.timedelta(seconds=time.monotonic() - started)
                 if call_bound is not None:
                     bound.reschedule(asyncio.get_running_loop().time() + call_bound)
-                if not await delivery.ack(using=conn):
+                if not await delivery.ack(result=result, duration=took, using=conn):
                     await conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
         except Exception as exc:
@@ -783,6 +821,13 @@ class AsyncWorker:
             await self._call(fn, *args)
         except TimeoutError as exc:
             log.warning("could not record an outcome (%s); the message returns after its lock expires", exc)
+
+    async def _registry(self, step: Callable[[], None]) -> None:
+        """A worker registry step (it logs its own failures); a stalled call is given up (logged)."""
+        try:
+            await self._call(step)
+        except Exception as exc:
+            log.warning("worker registry: %s", describe(exc))
 
     async def _pause(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a wake-up (a handler ended, a notification, a stop) ends it early."""
@@ -834,7 +879,7 @@ def _record_failure(job: Job, exc: Exception) -> None:
         QueueSource.record_failure(job, exc)
 
 
-async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
+async def _observed(delivery: Delivery, call: Awaitable[Any]) -> Any:
     """Await the handler's ``call`` inside ``observe.handling``, the delivery log, metrics and tracing
     hearing of it; observers are called in a greenlet, on entry and on exit, when one may read the database
     through the sync core (tracing reads the trace context), else directly (a greenlet costs 10-20 µs)."""
@@ -845,7 +890,7 @@ async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
     else:
         observed.__enter__()
     try:
-        await call
+        result = await call
     except BaseException as exc:
         if in_greenlet:
             await greenlet_spawn(observed.__exit__, type(exc), exc, exc.__traceback__)
@@ -856,3 +901,4 @@ async def _observed(delivery: Delivery, call: Awaitable[None]) -> None:
         await greenlet_spawn(observed.__exit__, None, None, None)
     else:
         observed.__exit__(None, None, None)
+    return result

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from delayq.cli import _cron, _dead_letters, _flow, _messages, _setup, _stats, _worker  # noqa: F401  (they register on main)
+from delayq.cli import (  # noqa: F401  (they register on main)
+    _cron,
+    _dead_letters,
+    _flow,
+    _messages,
+    _setup,
+    _stats,
+    _web,
+    _worker,
+    _workers,
+)
 from delayq.cli._root import main
 from delayq.topics.cli import topics
 

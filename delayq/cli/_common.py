@@ -177,6 +177,10 @@ STATE_COLOURS = {
     "in-flight": "yellow",
     "expired-lock": "magenta",
     "dead": "red",
+    "running": "green",
+    "gone": "red",
+    "completed": "blue",
+    "cancelled": "white",
 }
 
 
@@ -215,3 +219,19 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     return value if isinstance(value, str) else json.dumps(value, default=json_value)
+
+
+def read_payload(arg: str) -> tuple[str, str]:
+    """The payload's text and what to call it in errors: ``-`` reads stdin, ``@path`` a file, else ``arg``."""
+    if arg == "-":
+        return sys.stdin.read(), "stdin"
+    if arg.startswith("@"):
+        path = arg[1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except OSError as exc:
+            raise Fail(f"cannot read the payload file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return arg, "PAYLOAD"

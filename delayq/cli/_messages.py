@@ -11,7 +11,17 @@ from typing import Any
 import click
 
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
-from delayq.cli._common import STATE_COLOURS, Fail, _cell, connect, emit, friendly, json_value, relative
+from delayq.cli._common import (
+    STATE_COLOURS,
+    Fail,
+    _cell,
+    connect,
+    emit,
+    friendly,
+    json_value,
+    read_payload,
+    relative,
+)
 from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
 from delayq.humanize import human, shorten
 from delayq.messages import CancelOutcome
@@ -71,10 +81,12 @@ def ls(
         emit(listed, True, [])
         return
     dead_only = state == State.DEAD.value
+    kept = state in (State.COMPLETED.value, State.CANCELLED.value)
     rows = [_row(m, now, full) for m in found]
-    when = ["failed"] if dead_only else ["due", "running"]
+    when = ["failed"] if dead_only else ["finished", "took"] if kept else ["due", "running"]
+    extra = ["result"] if kept else []
     tagged = ["tags"] if any(m.tags for m in found) else []
-    emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload"])
+    emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload", *extra])
 
 
 def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
@@ -83,12 +95,19 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
         "state": m.state.value,
         "due": relative(m.scheduled_at, now),
         "failed": relative(m.failed_at, now),
+        "finished": relative(m.finished_at, now),
+        "took": "" if m.duration is None else human(m.duration),
+        "result": m.result if full else shorten(m.result, PAYLOAD_SHOWN),
         "running": "" if (ran := m.running_for(now)) is None else human(ran),
         "attempts": m.attempts,
         "last_error": m.last_error,
         "tags": ",".join(m.tags),
         "payload": m.payload if full else shorten(m.payload, PAYLOAD_SHOWN),
     }
+
+
+QUIET_UNSET = ("failed_at", "finished_at", "duration", "result")
+"""Fields ``show`` leaves out when unset (they belong to dead letters or kept messages)."""
 
 
 @main.command()
@@ -98,14 +117,15 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
 @click.pass_context
 @friendly
 def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
-    """Everything about one message (or its dead letters)."""
+    """Everything about one message (or its dead letters, or what was kept after it completed or was
+    cancelled: its result and how long it ran)."""
     tables = make_tables(ctx.obj["prefix"])
     check_queue_name(queue)
     with connect(ctx) as (_, conn):
         now = database_now(conn)
-        found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1) + list_messages(
-            conn, tables, queue, state=State.DEAD, now=now, key=key, limit=20
-        )
+        found = list_messages(conn, tables, queue, state=None, now=now, key=key, limit=1)
+        for kept in (State.COMPLETED, State.CANCELLED, State.DEAD):
+            found += list_messages(conn, tables, queue, state=kept, now=now, key=key, limit=20)
         if not found:
             raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
     if as_json:
@@ -113,11 +133,13 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
         return
     for m in found:
         for name, value in m.as_dict().items():
-            if name == "attempt_history" or (name == "failed_at" and value is None):
+            if name == "attempt_history" or (name in QUIET_UNSET and value is None):
                 continue
+            if name == "duration":
+                value = human(dt.timedelta(seconds=value))
             if name == "state":
                 value = click.style(value, fg=STATE_COLOURS.get(value))
-            when = {"scheduled_at": m.scheduled_at, "failed_at": m.failed_at}.get(name)
+            when = {"scheduled_at": m.scheduled_at, "failed_at": m.failed_at, "finished_at": m.finished_at}.get(name)
             shown = _cell(value) if when is None else f"{value} ({relative(when, now)})"
             click.echo(f"{name:>13}: {shown}")
         for r in m.attempt_history:
@@ -280,22 +302,6 @@ def enqueue(
         q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
         outcome = q.offer(key, value, at, update=update, priority=priority, group=group, tags=list(tags) or None)
     click.echo(f"{queue} {key}: {outcome.value}")
-
-
-def read_payload(arg: str) -> tuple[str, str]:
-    """The payload's text and what to call it in errors: ``-`` reads stdin, ``@path`` a file, else ``arg``."""
-    if arg == "-":
-        return sys.stdin.read(), "stdin"
-    if arg.startswith("@"):
-        path = arg[1:]
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read(), path
-        except OSError as exc:
-            raise Fail(f"cannot read the payload file {path}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return arg, "PAYLOAD"
 
 
 def _act(ctx: click.Context, queue: str, key: str, action: Callable[[DelayedQueue], bool], done: str) -> None:

@@ -31,7 +31,8 @@ from delayq.tags import check_tag
 def stats(
     ctx: click.Context, queue: str | None, tag: str | None, as_json: bool, watch: bool, interval: float, times: int
 ) -> None:
-    """Per queue: ready, scheduled, in flight, expired locks, dead, age of the oldest due message, paused.
+    """Per queue: ready, scheduled, in flight, expired locks, dead, kept completed and cancelled messages
+    (shown where there are some), age of the oldest due message, paused.
 
     Without QUEUE: every queue with messages, dead letters or a cron schedule (a drained queue with none of
     them is not known; name it to see its zeros). With --tag: the counts of the messages carrying the tag.
@@ -55,6 +56,8 @@ def stats(
                         "in_flight": s.in_flight,
                         "expired_locks": s.expired_locks,
                         "dead": s.dead,
+                        "completed": s.completed,
+                        "cancelled": s.cancelled,
                         "paused": flow.paused,
                         "priorities": flow.priorities,
                         "running": s.in_flight,
@@ -80,6 +83,9 @@ def stats(
                 age = r.pop("oldest_due_age_s")
                 r["oldest_due"] = None if age is None else human(dt.timedelta(seconds=age))
         columns = ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due"]
+        for kept in ("completed", "cancelled"):  # kept states, where a queue keeps them (retention)
+            if any(r[kept] for r in rows):
+                columns.insert(columns.index("oldest_due"), kept)
         if any(r["paused"] for r in rows):
             columns.append("paused")
         emit(rows, as_json, columns)

@@ -21,7 +21,8 @@ from delayq.cli._root import main
 from delayq.errors import install_hint
 from delayq.handler import Handler
 from delayq.queue import DelayedQueue
-from delayq.topics import TopicHandler
+from delayq.schema import DEFAULT_PREFIX
+from delayq.topics import Topic, TopicHandler
 from delayq.worker import Worker
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -120,7 +121,7 @@ def worker(
             shutdown_timeout=dt.timedelta(seconds=shutdown_timeout),
         )
         if metrics_port is not None:
-            serve_metrics(metrics_port, metrics_addr, w)
+            serve_metrics(metrics_port, metrics_addr, w, ctx.obj["prefix"])
         w.run()  # raises SchemaMissingError (exit 2, "run `delayq migrate`") when the tables are missing
     finally:
         engine.dispose()
@@ -180,7 +181,7 @@ async def run_async(
             # they read through a sync engine of their own (a connection per scrape).
             gauges = engines.create_engine(engines.sync_url(url))
             queues = [DelayedQueue(gauges, name, table_prefix=prefix) for name in w.async_queues]
-            serve_queue_metrics(metrics_port, metrics_addr, queues)
+            serve_queue_metrics(metrics_port, metrics_addr, queues, topics_of(gauges, loaded, prefix))
         try:
             await w.run()
         finally:
@@ -190,19 +191,31 @@ async def run_async(
         await engine.dispose()
 
 
-def serve_metrics(port: int, addr: str, w: Worker) -> None:
-    """Serve the worker's metrics on ``addr:port`` (needs the ``metrics`` extra)."""
-    serve_queue_metrics(port, addr, w.queues)
+def serve_metrics(port: int, addr: str, w: Worker, prefix: str = DEFAULT_PREFIX) -> None:
+    """Serve the worker's metrics on ``addr:port``, with the gauges of its queues and topics (tables named
+    with ``prefix``; needs the ``metrics`` extra)."""
+    serve_queue_metrics(port, addr, w.queues, topics_of(w.engine, w.handlers, prefix))
 
 
-def serve_queue_metrics(port: int, addr: str, queues: Sequence[DelayedQueue]) -> None:
-    """Serve delayq's metrics, with the gauges of ``queues``, on ``addr:port`` (needs the ``metrics`` extra)."""
+def topics_of(engine: sa.Engine, handlers: Sequence[Handler | type[Handler]], prefix: str) -> list[Topic]:
+    """The topics the topic handlers among ``handlers`` read (for their metrics' gauges)."""
+    names = {
+        h.topic
+        for h in handlers
+        if isinstance(h, TopicHandler) or (isinstance(h, type) and issubclass(h, TopicHandler))
+    }
+    return [Topic(engine, name, table_prefix=prefix) for name in sorted(names)]
+
+
+def serve_queue_metrics(port: int, addr: str, queues: Sequence[DelayedQueue], topics: Sequence[Topic] = ()) -> None:
+    """Serve delayq's metrics, with the gauges of ``queues`` and ``topics``, on ``addr:port`` (needs the
+    ``metrics`` extra)."""
     try:
         from delayq.metrics import serve
     except ImportError:
         raise Fail(f"--metrics-port needs prometheus-client: {install_hint('metrics')}") from None
     try:
-        serve(port, queues, addr=addr)
+        serve(port, queues, addr=addr, topics=topics)
     except OSError as exc:
         raise Fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
     logging.getLogger("delayq.metrics").info("metrics on http://%s:%d/metrics", addr, port)

@@ -188,9 +188,12 @@ class Statements(Memo):
             .where(m.c.queue == queue, m.c.lock_token.in_(sa.bindparam("tokens", expanding=True)))
             .values(scheduled_at=m.c.scheduled_at - _bp("vt"), lock_token=None, attempts=m.c.attempts - 1)
         )
-        self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id))
+        # The ack of a queue that keeps no history deletes only messages offered without ``unique_for``
+        # (``unique_for_ms`` NULL); the others are moved to the finished table (``delayq.queue._lifecycle``).
+        unkept = m.c.unique_for_ms.is_(None)
+        self.ack = sa.delete(m).where(m.c.lock_token == _bp("token", sa.String), dialect.id_in(m.c.id), unkept)
         # Deliveries of several claims: each id with its own token.
-        self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token))
+        self.ack_pairs = sa.delete(m).where(dialect.held_in(m.c.id, m.c.lock_token), unkept)
         # Never shortens a lock: a heartbeat that ran late or a smaller ``by`` keeps the later expiry.
         extended = self.extended_expiry = dialect.greatest(m.c.scheduled_at, now + _bp("by"))
         self.extend = sa.update(m).where(held).values(scheduled_at=extended)
@@ -201,6 +204,7 @@ class Statements(Memo):
         self.extend_ids = sa.update(m).where(dialect.id_in(m.c.id)).values(scheduled_at=extended)
         self.expiry_of = sa.select(m.c.id, m.c.scheduled_at).where(dialect.id_in(m.c.id))
         self.delete_ids = sa.delete(m).where(dialect.id_in(m.c.id))
+        self.ack_ids = self.delete_ids.where(unkept)
         # Every column but the id, each bound by its own name: the statement compiles once.
         self.insert_dead = sa.insert(dead).values(
             {c.name: sa.bindparam(c.name, type_=c.type) for c in dead.c if c is not dead.c.id}
@@ -307,8 +311,11 @@ class Dialect:
     def starts_with(cls, column: sa.ColumnElement[str], name: str = "prefix") -> sa.ColumnElement[bool]:
         """``column`` starts with the prefix bound as ``{name}_lo`` / ``{name}_hi`` (see ``prefix_bounds``).
 
-        A range, compared byte for byte and served by the (queue, key) index; never LIKE, which
-        ignores case on SQLite and needs escaping everywhere.
+        A range, compared byte for byte (``bytewise``); never LIKE, which ignores case on SQLite and needs
+        escaping everywhere. The (queue, key) indexes serve it because the key columns compare byte for byte
+        themselves: a binary collation on MySQL/MariaDB, SQLite's default, and on PostgreSQL the collation "C"
+        since delayq_0010 (an index in the database's collation cannot serve ``key COLLATE "C"``: before that
+        revision a prefix filter read every message of the queue there).
         """
         key = cls.bytewise(column)
         return sa.and_(
@@ -334,6 +341,10 @@ class Dialect:
 
     def notify_statement(self, tables: Tables) -> sa.Executable | None:
         """A statement that wakes the workers listening for ``:queue_name``."""
+        return None
+
+    def notify_channel(self, channel: str) -> sa.Executable | None:
+        """A statement that notifies ``channel`` with ``:queue_name`` on commit (where ``can_notify``)."""
         return None
 
     @classmethod
@@ -465,14 +476,36 @@ class Dialect:
         return {int(r.id): int(r.scheduled_at) for r in conn.execute(stmts.expiry_of, {"ids": ids})}
 
     def delete_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> int:
-        """Delete the held messages ``params['pairs']`` (id, token) that no other transaction has locked.
+        """Delete the held messages ``params['pairs']`` (id, token) that no other transaction has locked
+        (and that were offered without ``unique_for``: an ack keeps those).
 
         The shared shape: lock them SKIP LOCKED, then delete them by id, in one transaction.
         """
         ids = list(conn.execute(stmts.lock_held_skipping, params).scalars())
         if not ids:
             return 0
-        return int(conn.execute(stmts.delete_ids, {"ids": ids}).rowcount)
+        return int(conn.execute(stmts.ack_ids, {"ids": ids}).rowcount)
+
+    #: Whether ``keep_held`` is one statement here (then it needs no explicit transaction).
+    keeps_in_one_statement: ClassVar[bool] = False
+
+    def keep_held(
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        *,
+        skip_locked: bool,
+        only_unique: bool,
+        notify: bool,
+    ) -> int | None:
+        """Move the held messages ``params`` names (``held_params``) into the finished table as completed, in one
+        statement, where the backend can; how many. None where it cannot: the caller runs the shared shape
+        (SELECT … FOR UPDATE, INSERT, DELETE; ``delayq.queue._lifecycle``). ``params`` also binds, per delivery,
+        ``keep_ids``, ``keep_durations``, ``keep_results``, ``keep_result_types`` (arrays), and
+        ``retention_ms`` and ``queue_name``. ``only_unique``: only messages offered with ``unique_for``;
+        ``notify``: wake waiters (``notify_channel`` on the finished table)."""
+        return None
 
     # Topics ------------------------------------------------------------------------------------
     def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
@@ -583,8 +616,9 @@ def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:
 
 
 def stats_statement(tables: Tables, now: sa.ColumnElement[int], tagged: bool) -> sa.Select[Any]:
-    """Count a queue's messages by state, and its dead letters, in one statement; with ``tagged``, only those whose
-    tags match the LIKE pattern ``:tag_pattern`` (``delayq.tags.tag_pattern``, escaped with ``!``)."""
+    """Count a queue's messages by state, its dead letters and its kept finished messages, in one statement; with
+    ``tagged``, only those whose tags match the LIKE pattern ``:tag_pattern`` (``delayq.tags.tag_pattern``,
+    escaped with ``!``)."""
     m, dead = tables.messages, tables.dead_letters
     queue = _bp("queue_name", sa.String)
     due_now = m.c.scheduled_at <= now
@@ -593,18 +627,27 @@ def stats_statement(tables: Tables, now: sa.ColumnElement[int], tagged: bool) ->
     def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
         return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
 
+    fin = tables.finished
     dead_where = [dead.c.queue == queue]
     live_where = [m.c.queue == queue]
+    fin_where = [fin.c.queue == queue]
     if tagged:
         dead_where.append(dead.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
         live_where.append(m.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+        fin_where.append(fin.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
     dead_count = sa.select(sa.func.count()).select_from(dead).where(*dead_where).scalar_subquery()
+
+    def kept_count(state: int) -> sa.ScalarSelect[int]:  # finished.state: 1 completed, 2 cancelled
+        return sa.select(sa.func.count()).select_from(fin).where(*fin_where, fin.c.state == state).scalar_subquery()
+
     return sa.select(
         count(sa.and_(due_now, ~locked)).label("ready"),
         count(sa.and_(~due_now, ~locked)).label("scheduled"),
         count(sa.and_(~due_now, locked)).label("in_flight"),
         count(sa.and_(due_now, locked)).label("expired_locks"),
         dead_count.label("dead"),
+        kept_count(1).label("completed"),
+        kept_count(2).label("cancelled"),
         sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
         now.label("now"),
     ).where(*live_where)

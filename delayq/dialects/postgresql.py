@@ -122,6 +122,9 @@ class PostgresDialect(Dialect):
     def notify_statement(self, tables: Tables) -> sa.Executable:
         return sa.select(sa.func.pg_notify(tables.messages.name, sa.bindparam("queue_name", type_=sa.String)))
 
+    def notify_channel(self, channel: str) -> sa.Executable:
+        return sa.select(sa.func.pg_notify(channel, sa.bindparam("queue_name", type_=sa.String)))
+
     @classmethod
     def notify_cancel_statement(cls, tables: Tables) -> sa.Executable:
         # A channel of its own (not the wake-up one, whose payload is a queue name): a worker listens on both.
@@ -235,7 +238,8 @@ class PostgresDialect(Dialect):
 
     @staticmethod
     def bytewise(column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
-        # The database's collation may order by language rules (en_US ignores punctuation at first).
+        # The database's collation may order by language rules (en_US ignores punctuation at first). The key
+        # columns are in "C" themselves since delayq_0010, so their indexes serve this (``starts_with``).
         return column.collate("C")
 
     def id_in(self, column: sa.Column[int]) -> sa.ColumnElement[bool]:
@@ -249,8 +253,7 @@ class PostgresDialect(Dialect):
         # rendering and psycopg's parsing per ack). With them, the few distinct tokens (one per claim):
         # the lock-token index finds the rows with one probe per token, a plan that stays the
         # cheapest where the statistics say the table is empty (a probe per id does not).
-        held = _unnest("held", ("held_ids", sa.BigInteger()), ("held_tokens", sa.String()))
-        return sa.and_(_held_token(tokens), sa.tuple_(ids, tokens).in_(sa.select(held.c.held_ids, held.c.held_tokens)))
+        return _held_pairs(ids, tokens)
 
     def held_params(self, pairs: Sequence[tuple[int, str]]) -> dict[str, Any]:
         tokens = [t for _, t in pairs]
@@ -330,6 +333,24 @@ class PostgresDialect(Dialect):
     def delete_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> int:
         return int(conn.execute(stmts.memo(_delete_held_statement), params).rowcount)
 
+    keeps_in_one_statement: ClassVar[bool] = True
+
+    def keep_held(
+        self,
+        conn: Connection,
+        stmts: Statements,
+        params: Mapping[str, Any],
+        *,
+        skip_locked: bool,
+        only_unique: bool,
+        notify: bool,
+    ) -> int:
+        # One statement: pick the held rows (FOR UPDATE, SKIP LOCKED for background acks) in a MATERIALIZED
+        # CTE, DELETE them RETURNING their columns, INSERT those into the finished table joined to the
+        # deliveries' results and durations (arrays), count; the payloads never travel to the client.
+        stmt = stmts.memo(_keep_held_statement, skip_locked, only_unique, notify)
+        return int(conn.execute(stmt, params).scalar_one())
+
     # Topics
     def topic_upsert(self, table: sa.Table, keys: Sequence[str], set_: Mapping[str, Any] | None) -> sa.Insert:
         insert = pg_insert(table)
@@ -361,7 +382,63 @@ def _extend_held_statement(stmts: Statements) -> sa.Update:
 
 def _delete_held_statement(stmts: Statements) -> sa.Delete:
     m, picked = stmts.tables.messages, _picked_held(stmts)
-    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m.c.lock_token))
+    return sa.delete(m).where(m.c.id == picked.c.id, _held_token(m.c.lock_token), m.c.unique_for_ms.is_(None))
+
+
+def _held_pairs(ids: sa.ColumnElement[int], tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+    """``held_in``: (id, token) is one of the pairs bound as two arrays."""
+    held = _unnest("held", ("held_ids", sa.BigInteger()), ("held_tokens", sa.String()))
+    return sa.and_(_held_token(tokens), sa.tuple_(ids, tokens).in_(sa.select(held.c.held_ids, held.c.held_tokens)))
+
+
+def _keep_held_statement(stmts: Statements, skip_locked: bool, only_unique: bool, notify: bool) -> sa.Select[Any]:
+    m, fin, now = stmts.tables.messages, stmts.tables.finished, stmts.now
+    pick = sa.select(m.c.id).where(_held_pairs(m.c.id, m.c.lock_token))
+    if only_unique:
+        pick = pick.where(m.c.unique_for_ms.is_not(None))
+    picked = pick.with_for_update(skip_locked=skip_locked).cte("picked").prefix_with("MATERIALIZED")
+    kept_columns = [
+        "queue",
+        "key",
+        "payload",
+        "payload_type",
+        "scheduled_at_initially",
+        "created_at",
+        "attempts",
+        "last_error",
+        "attempt_history",
+        "headers",
+        "tags",
+    ]
+    gone = (
+        sa.delete(m)
+        .where(m.c.id == picked.c.id, _held_token(m.c.lock_token))
+        .returning(m.c.id, m.c.unique_for_ms, *(m.c[c] for c in kept_columns))
+        .cte("gone")
+    )
+    extra = _unnest(
+        "extra",
+        ("keep_ids", sa.BigInteger()),
+        ("keep_durations", sa.BigInteger()),
+        ("keep_results", sa.LargeBinary()),
+        ("keep_result_types", sa.String()),
+    )
+    retention = sa.bindparam("retention_ms", type_=sa.BigInteger)
+    rows = sa.select(
+        *(gone.c[c] for c in kept_columns),
+        sa.literal_column("1", sa.SmallInteger).label("state"),
+        now.label("finished_at"),
+        extra.c.keep_durations,
+        extra.c.keep_results,
+        extra.c.keep_result_types,
+        (now + sa.func.greatest(retention, sa.func.coalesce(gone.c.unique_for_ms, 0))).label("expires_at"),
+    ).select_from(gone.outerjoin(extra, extra.c.keep_ids == gone.c.id))
+    into = [*kept_columns, "state", "finished_at", "duration_ms", "result", "result_type", "expires_at"]
+    kept = sa.insert(fin).from_select(into, rows).returning(fin.c.id).cte("kept")
+    count = sa.select(sa.func.count()).select_from(kept).scalar_subquery().label("kept")
+    if notify:
+        return sa.select(count, sa.func.pg_notify(fin.name, sa.bindparam("queue_name", type_=sa.String)))
+    return sa.select(count)
 
 
 def _held_token(tokens: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:

@@ -24,6 +24,13 @@ def name_type(length: int) -> sa.types.TypeEngine[str]:
     return sa.String(length).with_variant(_NoPadVarchar(length), "mysql", "mariadb")
 
 
+def key_type(length: int) -> sa.types.TypeEngine[str]:
+    """``name_type`` for message keys, which delayq selects by prefix (a range compared byte for byte,
+    ``Dialect.starts_with``): on PostgreSQL the column takes the collation "C", so its (queue, key) index
+    serves those ranges (and orders keys by code point, as on the other backends); see delayq_0010."""
+    return name_type(length).with_variant(sa.String(length, collation="C"), "postgresql")
+
+
 def pad_space_name_type(length: int) -> sa.types.TypeEngine[str]:
     """``name_type`` as delayq_0001 to delayq_0004 made it: ``utf8mb4_bin`` (PAD SPACE) on MySQL/MariaDB.
     For those revisions only, so that they build what they always built (delayq_0005 changes it)."""

@@ -49,6 +49,16 @@ class DelayedQueue(_Offers, _Claims, _Queued, _DeadLetters):
             time moves it to the dead letters instead ("delivered N times without an outcome"):
             a message whose consumer dies every time does not come back forever. None (no cap)
             by default; a ``Worker`` sets its handler's ``retry.max_attempts``.
+        retention: how long an acked message is kept as ``completed`` (its result, duration and attempts
+            readable with ``get``) before the worker's pruner deletes it. 0 (the default): the ack deletes it.
+        keep_results: with a history kept, store what the handler returned (serialized by ``serializer``).
+            True.
+        result_limit: the largest result kept, in bytes once serialized; a larger one is dropped with a
+            warning (the message is still completed). 64 KiB.
+        unique_for: the default of ``offer(unique_for=)``: the key is ignored while a message with it is
+            live or completed within this long. None.
+        dead_letter_retention: how long a dead letter is kept before the pruner deletes it. None: until
+            requeued or purged.
 
     Every operation takes ``using=``: None or an ``Engine`` runs it in delayq's own
     transaction; a ``Connection`` or ``Session`` makes it part of the caller's transaction.

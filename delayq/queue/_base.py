@@ -13,6 +13,7 @@ from delayq.clock import Clock, duration_ms, to_ms
 from delayq.dialects import Dialect, Statements
 from delayq.errors import InvalidInputError, SerializationMismatchError
 from delayq.queue._checks import check_queue_name
+from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT, settings
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import JsonSerializer, Serializer
 from delayq.transactions import DEFAULT_RETRY, Runner, TransientRetry, Using
@@ -37,6 +38,11 @@ class _QueueBase:
         notify: bool = True,
         max_deliveries: int | None = None,
         flow_refresh: dt.timedelta = dt.timedelta(seconds=1),
+        retention: dt.timedelta = dt.timedelta(0),
+        keep_results: bool = True,
+        result_limit: int = DEFAULT_RESULT_LIMIT,
+        unique_for: dt.timedelta | None = None,
+        dead_letter_retention: dt.timedelta | None = None,
     ) -> None:
         self.name = check_queue_name(name)
         self.engine = engine
@@ -54,6 +60,8 @@ class _QueueBase:
         if flow_refresh_ms < 0:
             raise InvalidInputError("flow_refresh must not be negative")
         self._flow_refresh_s = flow_refresh_ms / 1000
+        self.lifecycle = settings(retention, keep_results, result_limit, unique_for, dead_letter_retention)
+        """How finished messages are kept (``retention``, ``keep_results``, ...; docs/lifecycle.md)."""
         self.tables = make_tables(table_prefix, schema)
         self._runner = Runner(engine, self.tables, transient_retry)
         self._claiming: str | None = None

@@ -17,15 +17,16 @@ from typing import Any
 import sqlalchemy as sa
 
 from delayq.dialects import Statements
+from delayq.queue._lifecycle import CANCELLED, COMPLETED
 
-FINISHED_COMPLETED = 1
-"""``finished.state`` of a message acked while its queue keeps a history."""
-FINISHED_CANCELLED = 2
+FINISHED_COMPLETED = COMPLETED
+"""``finished.state`` of a completed message (``delayq.queue._lifecycle``)."""
+FINISHED_CANCELLED = CANCELLED
 """``finished.state`` of a cancelled message."""
 
 DEFAULT_CANCELLED_RETENTION = dt.timedelta(days=7)
 """How long a cancelled message's ``finished`` row is kept (its ``expires_at``) when neither ``cancel_job``'s
-``keep_for`` nor the queue's retention says otherwise."""
+``keep_for`` nor the queue's ``retention`` says otherwise."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,11 +15,13 @@ from delayq import history, observe
 from delayq._outcome import Bury, Unfinished, after_failure
 from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
+from delayq.dialects.base import Mode
 from delayq.errors import DelayqError, InvalidInputError, SerializationMismatchError
 from delayq.messages import Delivery
 from delayq.queue._checks import check_key
 from delayq.queue._flow import _Flow
 from delayq.queue._history import statements as history_sql
+from delayq.queue._lifecycle import COMPLETED, Lifecycle, lifecycle_sql
 from delayq.queue._lost import _lost_locks
 from delayq.queue._tokens import new_token
 from delayq.transactions import Using
@@ -165,6 +167,10 @@ class _Claims(_Flow):
         if not pairs:
             return 0
         tokens = {token for _, token in pairs}
+        keep_mode: Mode = "statement" if self._runner.dialect.keeps_in_one_statement else "transaction"
+        if self.lifecycle.keeps:  # every ack keeps its message: one move, in one transaction
+            acked, held = self._runner.run(using, self._keeping(deliveries, list(pairs), skip_locked), keep_mode)
+            return self._acked(pairs, acked, held)
 
         def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
             stmts = self._statements(dialect)
@@ -174,13 +180,19 @@ class _Claims(_Flow):
             held = dialect.held_params(list(pairs))
             if not skip_locked:
                 return int(conn.execute(stmts.ack_pairs, held).rowcount), set()
-            acked = dialect.delete_held(conn, stmts, held)
-            if acked == len(pairs):
-                return acked, set()
-            # What is still ours was row-locked elsewhere (a later ack takes it); the rest is gone.
-            return acked, set(conn.execute(stmts.held_ids, held).scalars())
+            # What is still ours after this was row-locked elsewhere (a later ack takes it), or offered
+            # with ``unique_for`` (kept below); the rest is gone.
+            return dialect.delete_held(conn, stmts, held), set()
 
         acked, held = self._runner.run(using, op, self._runner.dialect.claim_mode if skip_locked else "scan")
+        if acked < len(pairs):  # lost locks, row locks held elsewhere, or messages offered with ``unique_for``
+            moved, held = self._runner.run(
+                using, self._keeping(deliveries, list(pairs), skip_locked, only_unique=True), keep_mode
+            )
+            acked += moved
+        return self._acked(pairs, acked, held)
+
+    def _acked(self, pairs: dict[tuple[int, str], None], acked: int, held: set[int]) -> int:
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
             log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
             raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
@@ -188,6 +200,107 @@ class _Claims(_Flow):
         if acked < len(pairs):
             _lost_locks.count_unacked(self.name, [p for p in pairs if p[0] not in held], acked)
         return acked
+
+    def _keeping(
+        self, deliveries: Sequence[Delivery], pairs: list[tuple[int, str]], skip_locked: bool, only_unique: bool = False
+    ) -> Callable[[Connection, Dialect], tuple[int, set[int]]]:
+        """The ack that keeps: lock the held rows (fenced by their tokens), insert them into the finished
+        table as completed with their results and durations, delete them; (how many, the ids still held
+        when not all were moved and ``skip_locked``). ``only_unique``: only those offered with ``unique_for``.
+        One statement where the dialect has one (``Dialect.keep_held``), else SELECT, INSERT and DELETE."""
+        life = self.lifecycle
+        results = {d.id: self._encoded_result(d) for d in deliveries}
+        durations = {d.id: d._duration_ms for d in deliveries}
+
+        def shared_shape(conn: Connection, dialect: Dialect, held_params: dict[str, Any]) -> int:
+            ls = lifecycle_sql(self._statements(dialect), dialect)
+            picked = ls.held_skipping if skip_locked else ls.held
+            rows = conn.execute(picked, {**held_params, **self._now_param()}).all()
+            if only_unique:
+                rows = [r for r in rows if r.unique_for_ms is not None]
+            if not rows:
+                return 0
+            conn.execute(ls.insert_finished, [self._finished_row(r, results, durations, life) for r in rows])
+            moved = int(conn.execute(ls.delete_ids, {"ids": [r.id for r in rows]}).rowcount)
+            if ls.notify is not None and self.notify:
+                conn.execute(ls.notify, {"queue_name": self.name})
+            return moved
+
+        def op(conn: Connection, dialect: Dialect) -> tuple[int, set[int]]:
+            stmts = self._statements(dialect)
+            held_params = dialect.held_params(pairs)
+            params = {
+                **held_params,
+                "keep_ids": list(results),
+                "keep_durations": [durations[i] for i in results],
+                "keep_results": [results[i][0] for i in results],
+                "keep_result_types": [results[i][1] for i in results],
+                "retention_ms": life.retention_ms,
+                "queue_name": self.name,
+                **self._now_param(),
+            }
+            notify = self.notify and dialect.can_notify
+            kept = dialect.keep_held(
+                conn, stmts, params, skip_locked=skip_locked, only_unique=only_unique, notify=notify
+            )
+            moved = kept if kept is not None else shared_shape(conn, dialect, held_params)
+            if moved == len(pairs) or not skip_locked:
+                return moved, set()
+            return moved, set(conn.execute(stmts.held_ids, held_params).scalars())
+
+        return op
+
+    @staticmethod
+    def _finished_row(
+        r: Any,
+        results: dict[int, tuple[bytes | None, str | None]],
+        durations: dict[int, int | None],
+        life: Lifecycle,
+    ) -> dict[str, Any]:
+        now = int(r.now)
+        result, result_type = results.get(r.id, (None, None))
+        return {
+            "queue": r.queue,
+            "key": r.key,
+            "payload": r.payload,
+            "payload_type": r.payload_type,
+            "state": COMPLETED,
+            "scheduled_at_initially": r.scheduled_at_initially,
+            "created_at": r.created_at,
+            "attempts": r.attempts,
+            "last_error": r.last_error,
+            "attempt_history": r.attempt_history,
+            "headers": r.headers,
+            "tags": r.tags,
+            "finished_at": now,
+            "duration_ms": durations.get(r.id),
+            "result": result,
+            "result_type": result_type,
+            "expires_at": now + max(life.retention_ms, r.unique_for_ms or 0),
+        }
+
+    def _encoded_result(self, d: Delivery) -> tuple[bytes | None, str | None]:
+        """A handler's result as kept: serialized by the queue's serializer; (None, None) when there is none,
+        results are not kept, or it cannot be kept (too large, not serializable: a warning says so)."""
+        value = d._result
+        if value is None or not self.lifecycle.keep_results:
+            return None, None
+        try:
+            data = self.serializer.dumps(value)
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            log.warning(
+                "%s: its result was not kept: %s cannot serialize it (%s)", d.label, self.serializer.type_tag, exc
+            )
+            return None, None
+        if len(data) > self.lifecycle.result_limit:
+            log.warning(
+                "%s: its result was not kept: %d bytes serialized, above result_limit=%d",
+                d.label,
+                len(data),
+                self.lifecycle.result_limit,
+            )
+            return None, None
+        return data, self.serializer.type_tag
 
     def extend_many(
         self, deliveries: Sequence[Delivery], by: dt.timedelta, *, using: Using = None
@@ -280,6 +393,7 @@ class _Claims(_Flow):
         Each one's attempt history gets this last failure (with ``exception``'s traceback, if any).
         """
         failures = {error: history.Failure.capture(error, exception) for _, _, error in held}
+        keep_dead = self.lifecycle.dead_letter_retention_ms
 
         def op(conn: Connection, dialect: Dialect) -> int:
             stmts = self._statements(dialect)
@@ -305,7 +419,7 @@ class _Claims(_Flow):
                         "headers": row.headers,
                         "failed_at": row.now,
                         "tags": row.tags,
-                        "expires_at": None,
+                        "expires_at": None if keep_dead is None else int(row.now) + keep_dead,
                     },
                 )
                 moved += conn.execute(stmts.delete_held, params).rowcount

@@ -84,6 +84,7 @@ def statements(stmts: Statements) -> HistoryStatements:
             m.c.lock_token,
             m.c.attempt_history,
             m.c.tags,
+            now.label("now"),
         ).where(by_key),
         dead_latest=sa.select(*dead_cols)
         .where(dead.c.queue == _str("queue_name"), dead.c.key == _str("msg_key"))

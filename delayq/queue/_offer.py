@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +15,7 @@ from delayq.messages import OfferOutcome
 from delayq.queue._checks import At, _due, check_key
 from delayq.queue._flow import _Flow, check_group, check_priority
 from delayq.queue._history import statements as history_sql
+from delayq.queue._lifecycle import check_unique_for, lifecycle_sql
 from delayq.serializers import encode
 from delayq.tags import encode_tags
 from delayq.transactions import Using
@@ -37,6 +39,7 @@ class _Offers(_Flow):
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
+        unique_for: dt.timedelta | None = None,
         tags: Iterable[str] | None = None,
         using: Using = None,
     ) -> OfferOutcome:
@@ -54,7 +57,10 @@ class _Offers(_Flow):
         ``tags``: up to ``delayq.tags.MAX_TAGS`` labels (lowercase letters, digits, ``- _ . : /``) kept with the
         message, its dead letter and its finished row; ``ls --tag`` and ``stats --tag`` filter on them (docs/workers.md,
         "Tags"); a replacement sets them too (None: none).
+        ``unique_for`` (default: the queue's ``unique_for``): also ``IGNORED`` while a message under this key
+        completed less than this long ago (kept: docs/lifecycle.md); ``update=True`` does not replace those.
         """
+        unique_ms = self._unique_ms(unique_for)
         params = self._offer_params(key, payload, at)
         params["offer_priority"] = check_priority(priority)
         params["offer_group"] = check_group(group)
@@ -63,6 +69,11 @@ class _Offers(_Flow):
 
             def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
                 outcome = self._offer_one(conn, dialect, self._statements(dialect), params, update)
+                if unique_ms is not None and outcome is not OfferOutcome.IGNORED:
+                    new = outcome is OfferOutcome.CREATED
+                    keys = [params["msg_key"]]
+                    kept = self._unique(conn, dialect, keys if new else [], [] if new else keys, unique_ms)
+                    outcome = outcome if kept else OfferOutcome.IGNORED
                 if headers and outcome is not OfferOutcome.IGNORED:
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
                 if stored_tags is not None and outcome is not OfferOutcome.IGNORED:
@@ -75,7 +86,9 @@ class _Offers(_Flow):
                         self._set_groups(conn, dialect, created, group)
                 return outcome
 
-            simple = not (update or headers or priority or group is not None or stored_tags is not None)
+            simple = not (
+                update or headers or priority or group is not None or unique_ms is not None or stored_tags is not None
+            )
             outcome = self._runner.run(using, op, "statement" if simple else "transaction")
         self._priorities_set(priority, using)
         self._groups_set(group, using)
@@ -89,6 +102,7 @@ class _Offers(_Flow):
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
+        unique_for: dt.timedelta | None = None,
         tags: Iterable[str] | None = None,
         using: Using = None,
     ) -> list[OfferOutcome]:
@@ -96,9 +110,10 @@ class _Offers(_Flow):
 
         All items are validated first: a bad one raises before anything is written. A key
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``). ``priority``, ``group``, ``tags``: every item's (see ``offer``);
-        an item ``(key, payload, at, tags)`` carries its own tags instead.
+        or ``UPDATED`` with ``update=True``). ``priority``, ``group``, ``unique_for``, ``tags``: every item's (see
+        ``offer``); an item ``(key, payload, at, tags)`` carries its own tags instead.
         """
+        unique_ms = self._unique_ms(unique_for)
         check_priority(priority)
         check_group(group)
         shared_tags = encode_tags(tags)
@@ -116,7 +131,7 @@ class _Offers(_Flow):
             return []
         tagged = item_tags if any(t is not None for t in item_tags) else None
         with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using, priority, group, tagged)
+            found = self._offer_prepared(prepared, update, headers, using, priority, group, unique_ms, tagged)
         self._priorities_set(priority, using)
         self._groups_set(group, using)
         observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
@@ -140,6 +155,7 @@ class _Offers(_Flow):
         using: Using,
         priority: int = 0,
         group: str | None = None,
+        unique_ms: int | None = None,
         item_tags: list[str | None] | None = None,
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
@@ -172,6 +188,15 @@ class _Offers(_Flow):
                         if update
                         else OfferOutcome.IGNORED
                     )
+            if unique_ms is not None:
+                pairs = list(zip(keys, outcomes, strict=True))
+                new = list(dict.fromkeys(k for k, o in pairs if o is OfferOutcome.CREATED))
+                replaced = list(dict.fromkeys(k for k, o in pairs if o is OfferOutcome.UPDATED and k not in new))
+                kept: set[str] = set()
+                for start in range(0, max(len(new), len(replaced)), OFFER_CHUNK):
+                    part = slice(start, start + OFFER_CHUNK)
+                    kept.update(self._unique(conn, dialect, new[part], replaced[part], unique_ms))
+                outcomes = [o if k in kept else OfferOutcome.IGNORED for k, o in pairs]
             if headers:
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
@@ -194,6 +219,30 @@ class _Offers(_Flow):
             return [o for o in outcomes if o is not None]
 
         return self._runner.run(using, op, "transaction")
+
+    def _unique_ms(self, unique_for: dt.timedelta | None) -> int | None:
+        """The offer's ``unique_for`` in milliseconds, else the queue's; None: none."""
+        return self.lifecycle.unique_for_ms if unique_for is None else check_unique_for(unique_for)
+
+    def _unique(
+        self, conn: Connection, dialect: Dialect, keys: list[str], replaced: list[str], unique_ms: int
+    ) -> set[str]:
+        """Of the keys just created, keep those not completed within ``unique_ms`` and undo the others' offers;
+        mark the kept and the ``replaced`` ones (their ack keeps them that long). The keys kept.
+
+        Checked after the insert, in a statement of its own: a completion that committed while the insert
+        waited on its row (the message being acked) is seen by this fresh statement (READ COMMITTED), so
+        the new message is undone rather than slipping in beside it.
+        """
+        ls = lifecycle_sql(self._statements(dialect), dialect)
+        params = {"queue_name": self.name, "keys": keys, "unique_ms": unique_ms, **self._now_param()}
+        done = set(conn.execute(ls.completed_since, params).scalars()) if keys else set()
+        if done:
+            conn.execute(ls.drop_offered, {**params, "keys": sorted(done)})
+        kept = [k for k in keys if k not in done] + replaced
+        if kept:
+            conn.execute(ls.set_unique_for, {**params, "keys": kept})
+        return set(kept)
 
     def _offer_params(self, key: str, payload: Any, at: At) -> dict[str, Any]:
         return self._item_params(self._item(key, payload, at))

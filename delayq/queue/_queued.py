@@ -4,6 +4,8 @@ coalesce a key prefix."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +29,7 @@ from delayq.queue._base import _QueueBase
 from delayq.queue._cancel import DEFAULT_CANCELLED_RETENTION
 from delayq.queue._checks import At, _due, check_key, check_prefix
 from delayq.queue._history import statements as history_sql
+from delayq.queue._lifecycle import STATE_NAMES, lifecycle_sql
 from delayq.queue._tokens import claimed_at
 from delayq.tags import decode_tags, tag_pattern
 from delayq.transactions import Using
@@ -35,14 +38,23 @@ from delayq.transactions import Using
 class _Queued(_QueueBase):
     """``get``, ``cancel``, ``reschedule``, ``stats`` and the key-prefix operations of ``DelayedQueue``."""
 
-    def get(self, key: str, *, using: Using = None) -> Message | None:
-        """The message stored under ``key``, or None."""
-        params = {"queue_name": self.name, "msg_key": check_key(key)}
+    def get(self, key: str, *, include_dead: bool = False, using: Using = None) -> Message | None:
+        """The message stored under ``key`` with its ``state``, or None.
+
+        A live message first (``ready``, ``scheduled``, ``running``); else the latest one kept after it
+        finished (``completed`` with its result and duration, ``cancelled``: ``retention``, ``unique_for``);
+        with ``include_dead=True``, else the latest dead letter (``dead``) when it is newer.
+        """
+        params = {"queue_name": self.name, "msg_key": check_key(key), **self._now_param()}
 
         def op(conn: Connection, dialect: Dialect) -> Message | None:
-            row = conn.execute(self._statements(dialect).memo(history_sql).get, params).first()
+            stmts = self._statements(dialect)
+            row = conn.execute(stmts.memo(history_sql).get, params).first()
             if row is None:
-                return None
+                return self._finished_message(conn, dialect, stmts, params, include_dead)
+            now = int(row.now)
+            locked = row.lock_token is not None
+            state = ("running" if locked else "scheduled") if row.scheduled_at > now else "ready"
             return Message(
                 key=row.key,
                 payload=self._decode(row.key, row.payload_type, row.payload),
@@ -54,9 +66,86 @@ class _Queued(_QueueBase):
                 locked=row.lock_token is not None,
                 attempt_history=history.parse(row.attempt_history),
                 tags=decode_tags(row.tags),
+                state=state,
             )
 
         return self._runner.run(using, op, "read")
+
+    def _finished_message(
+        self, conn: Connection, dialect: Dialect, stmts: Statements, params: dict[str, Any], include_dead: bool
+    ) -> Message | None:
+        """The latest kept record of a key that has no live message (see ``get``)."""
+        ls = lifecycle_sql(stmts, dialect)
+        fin = conn.execute(ls.latest_finished, params).first()
+        dead = conn.execute(ls.dead_latest, params).first() if include_dead else None
+        if dead is not None and (fin is None or dead.failed_at >= fin.finished_at):
+            at = from_ms(dead.failed_at)
+            return Message(
+                key=dead.key,
+                payload=self._decode(dead.key, dead.payload_type, dead.payload),
+                scheduled_at=from_ms(dead.scheduled_at_initially),
+                scheduled_at_initially=from_ms(dead.scheduled_at_initially),
+                created_at=from_ms(dead.created_at),
+                attempts=dead.attempts,
+                last_error=dead.last_error,
+                locked=False,
+                attempt_history=history.parse(dead.attempt_history),
+                state="dead",
+                finished_at=at,
+                tags=decode_tags(dead.tags),
+            )
+        if fin is None:
+            return None
+        result = None
+        if fin.result is not None and fin.result_type is not None:
+            result = self._decode(fin.key, fin.result_type, fin.result)
+        return Message(
+            key=fin.key,
+            payload=self._decode(fin.key, fin.payload_type, fin.payload),
+            scheduled_at=from_ms(fin.scheduled_at_initially),
+            scheduled_at_initially=from_ms(fin.scheduled_at_initially),
+            created_at=from_ms(fin.created_at),
+            attempts=fin.attempts,
+            last_error=fin.last_error,
+            locked=False,
+            attempt_history=history.parse(fin.attempt_history),
+            state=STATE_NAMES.get(fin.state, str(fin.state)),
+            result=result,
+            duration=None if fin.duration_ms is None else dt.timedelta(milliseconds=fin.duration_ms),
+            finished_at=from_ms(fin.finished_at),
+            tags=decode_tags(fin.tags),
+        )
+
+    def wait(self, key: str, timeout: dt.timedelta, *, using: Using = None) -> Message | None:
+        """Wait until no live message holds ``key``; then what was kept of it, as ``get(include_dead=True)``.
+
+        Returns the ``completed`` / ``cancelled`` / ``dead`` message, or None when nothing was kept (a queue
+        without ``retention``, or no such key). Raises ``TimeoutError`` when the message is still live after
+        ``timeout``. PostgreSQL wakes it when a completion commits (LISTEN/NOTIFY); elsewhere, and as a
+        safety net, it polls (every 50 ms, backing off to 1 s).
+        """
+        limit = duration_ms(timeout, "timeout") / 1000
+        if limit < 0:
+            raise InvalidInputError("timeout must not be negative")
+        deadline = time.monotonic() + limit
+        woken = _Wakeups(self) if dialect_for(self.engine).can_notify and self.notify else None
+        try:
+            pause = 0.05
+            while True:
+                found = self.get(key, include_dead=True, using=using)
+                if found is None or found.finished:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"message {key!r} of queue {self.name!r} still {found.state} after {timeout}")
+                if woken is not None:
+                    woken.wait(min(left, 1.0))
+                else:
+                    time.sleep(min(left, pause))
+                    pause = min(pause * 2, 1.0)
+        finally:
+            if woken is not None:
+                woken.close()
 
     def cancel(self, key: str, *, using: Using = None) -> bool:
         """Cancel the message stored under ``key``; True when there was one (``cancel_job`` says which it did).
@@ -97,6 +186,9 @@ class _Queued(_QueueBase):
                 kept = self._cancelled_retention_ms() if keep_ms is None else keep_ms
                 finished = cancel_sql.finished_row(row, cancel_sql.FINISHED_CANCELLED, kept, took)
                 conn.execute(cs.insert_finished, finished)
+                ls = lifecycle_sql(self._statements(dialect), dialect)
+                if ls.notify is not None and self.notify:  # (``wait(key)`` hears it finished)
+                    conn.execute(ls.notify, {"queue_name": self.name})
             conn.execute(cs.delete_id, {"msg_id": row.id})
             if row.lock_token is not None and cs.notify is not None:  # (an expired lock's handler may run still)
                 conn.execute(cs.notify, {"msg_id": row.id})
@@ -107,11 +199,14 @@ class _Queued(_QueueBase):
         return self._runner.run(using, held, "transaction")
 
     def _keeps_cancelled(self) -> bool:
-        """Whether a cancelled queued message is recorded too (a queue that keeps a history); False: deleted only."""
-        return False
+        """Whether a cancelled queued message is recorded too: the queue keeps a history (``retention``)."""
+        return self.lifecycle.keeps
 
     def _cancelled_retention_ms(self) -> int:
-        """How long a cancelled message's finished row is kept: the queue's retention when it keeps a history."""
+        """How long a cancelled message's finished row is kept: the queue's ``retention`` when it keeps a history,
+        else ``DEFAULT_CANCELLED_RETENTION``."""
+        if self.lifecycle.keeps:
+            return self.lifecycle.retention_ms
         return int(DEFAULT_CANCELLED_RETENTION.total_seconds() * 1000)
 
     def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
@@ -152,6 +247,8 @@ class _Queued(_QueueBase):
                 expired_locks=int(r.expired_locks),
                 dead=int(r.dead),
                 oldest_due_age=age,
+                completed=int(r.completed),
+                cancelled=int(r.cancelled),
             )
 
         return self._runner.run(using, op, "read")
@@ -235,3 +332,32 @@ def _keys_between(stmts: Statements) -> sa.Select[Any]:
     return sa.select(m.c.id, m.c.key, m.c.lock_token, m.c.attempts).where(
         m.c.queue == sa.bindparam("queue_name", type_=sa.String), stmts.starts_with(m.c.key, "range")
     )
+
+
+class _Wakeups:
+    """A LISTEN on the queue's finished-table channel (PostgreSQL), on a thread of its own: ``wait`` returns
+    early when a completion of the queue commits. Best effort: the caller polls anyway."""
+
+    def __init__(self, queue: _QueueBase) -> None:
+        self._stop = threading.Event()
+        self._heard = threading.Event()
+        engine, name, channel = queue.engine, queue.name, queue.tables.finished.name
+        dialect = dialect_for(engine)
+
+        def listen() -> None:
+            try:
+                for notified in dialect.listen(engine, channel, self._stop):
+                    if notified == name:
+                        self._heard.set()
+            except Exception:  # the caller's polling goes on
+                return
+
+        self._thread = threading.Thread(target=listen, name="delayq-wait", daemon=True)
+        self._thread.start()
+
+    def wait(self, seconds: float) -> None:
+        self._heard.wait(seconds)
+        self._heard.clear()
+
+    def close(self) -> None:
+        self._stop.set()

@@ -39,14 +39,18 @@ def database_now_ms(conn: Connection) -> int:
 
 
 def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
-    m, dead, schedules = stmts.tables.messages, stmts.tables.dead_letters, stmts.tables.schedules
+    t = stmts.tables
+    m, dead, schedules, fin = t.messages, t.dead_letters, t.schedules, t.finished
     return sa.union(
-        sa.select(m.c.queue).distinct(), sa.select(dead.c.queue).distinct(), sa.select(schedules.c.queue).distinct()
+        sa.select(m.c.queue).distinct(),
+        sa.select(dead.c.queue).distinct(),
+        sa.select(schedules.c.queue).distinct(),
+        sa.select(fin.c.queue).distinct(),
     )
 
 
 def queue_names(conn: Connection, tables: Tables) -> list[str]:
-    """Every queue with live messages, dead letters or an installed cron schedule, sorted."""
+    """Every queue with live messages, dead letters, kept finished messages or an installed cron schedule, sorted."""
     return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
 
 
@@ -64,11 +68,23 @@ def keys_under(conn: Connection, tables: Tables, queue: str, key_prefix: str) ->
 
 
 def _rows(
-    stmts: Statements, dead: bool, state: str | None, by_prefix: bool, by_key: bool, by_tag: bool = False
+    stmts: Statements,
+    dead: bool,
+    state: str | None,
+    by_prefix: bool,
+    by_key: bool,
+    paged: bool = False,
+    key_order: bool = False,
+    by_tag: bool = False,
 ) -> sa.Select[Any]:
+    """The listing's statement. Live messages go by due time, or, with ``key_order``, by key (under a key
+    prefix, a range of the (queue, key) index: the first page of a prefix costs its rows, not a walk of the
+    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor;
+    ``by_tag``: only the rows whose tags match ``:tag_pattern``."""
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -79,10 +95,14 @@ def _rows(
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
             t.c.tags,
+            *_not_finished(),
         ).order_by(t.c.id)
+        if paged:
+            stmt = stmt.where(t.c.id > _ms("after_id"))
     else:
         t = stmts.tables.messages
         stmt = sa.select(
+            t.c.id,
             t.c.key,
             t.c.payload_type,
             t.c.payload,
@@ -93,7 +113,8 @@ def _rows(
             t.c.scheduled_at,
             t.c.lock_token,
             t.c.tags,
-        ).order_by(t.c.scheduled_at, t.c.id)
+            *_not_finished(),
+        )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
             "ready": sa.and_(due, ~locked),
@@ -103,6 +124,15 @@ def _rows(
         }
         if state is not None:
             stmt = stmt.where(where[state])
+        if key_order:
+            stmt = stmt.order_by(t.c.key)
+            if paged:
+                stmt = stmt.where(t.c.key > sa.bindparam("after_key", type_=sa.String))
+        else:
+            stmt = stmt.order_by(t.c.scheduled_at, t.c.id)
+            if paged:  # (scheduled_at, id) after the cursor's, as a range the (queue, scheduled_at, id) index starts at
+                after_at, after_id = _ms("after_at"), _ms("after_id")
+                stmt = stmt.where(t.c.scheduled_at >= after_at, sa.or_(t.c.scheduled_at > after_at, t.c.id > after_id))
     stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
     if by_prefix:
         stmt = stmt.where(stmts.starts_with(t.c.key))
@@ -110,6 +140,54 @@ def _rows(
         stmt = stmt.where(t.c.key == sa.bindparam("msg_key"))
     if by_tag:  # (``delayq.tags.tag_pattern``: ``_`` escaped with ``!``)
         stmt = stmt.where(t.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
+    return stmt
+
+
+KEPT_STATES = {"completed": 1, "cancelled": 2}
+"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads too."""
+
+
+def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
+    no = sa.null()
+    return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
+
+
+def _kept_rows(
+    stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool, by_tag: bool = False
+) -> sa.Select[Any]:
+    """The listing of a queue's kept finished messages in one state, by id (the order they finished in)."""
+    f = stmts.tables.finished
+    no = sa.null()
+    stmt = (
+        sa.select(
+            f.c.id,
+            f.c.key,
+            f.c.payload_type,
+            f.c.payload,
+            f.c.attempts,
+            f.c.last_error,
+            f.c.attempt_history,
+            no.label("failed_at"),
+            no.label("scheduled_at"),
+            no.label("lock_token"),
+            f.c.tags,
+            f.c.finished_at,
+            f.c.duration_ms,
+            f.c.result,
+            f.c.result_type,
+        )
+        .where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
+        .order_by(f.c.id)
+        .limit(sa.bindparam("limit", type_=sa.Integer))
+    )
+    if paged:
+        stmt = stmt.where(f.c.id > _ms("after_id"))
+    if by_prefix:
+        stmt = stmt.where(stmts.starts_with(f.c.key))
+    if by_key:
+        stmt = stmt.where(f.c.key == sa.bindparam("msg_key"))
+    if by_tag:
+        stmt = stmt.where(f.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
     return stmt
 
 
@@ -124,16 +202,44 @@ def list_rows(
     key_prefix: str | None,
     key: str | None,
     limit: int,
+    after: tuple[int, int, str] | None = None,
+    key_order: bool = False,
     tag_pattern: str | None = None,
 ) -> Sequence[Row[Any]]:
-    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time; or,
-    with ``dead``, its dead letters by id; with ``tag_pattern`` (``delayq.tags.tag_pattern``), those carrying the tag.
-    Columns: key, payload_type, payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token
-    (NULL where they do not apply), tags."""
+    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time (with
+    ``key_order``: by key); or, with ``dead``, its dead letters by id. Columns: id, key, payload_type,
+    payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token (NULL where they do
+    not apply), tags.
+
+    ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
+    (only what the listing's order compares counts: the id of a dead letter, the key in key order).
+    With a state of ``KEPT_STATES``: the kept finished messages in it, by id, with their finished_at,
+    duration_ms, result and result_type (NULL for the others). With ``tag_pattern``
+    (``delayq.tags.tag_pattern``): only those carrying the tag."""
+    if state in KEPT_STATES:
+        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None, tag_pattern is not None)
+        kept_params: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
+        if after is not None:
+            kept_params["after_id"] = after[1]
+        if key_prefix:
+            kept_params.update(prefix_bounds(key_prefix))
+        if tag_pattern is not None:
+            kept_params["tag_pattern"] = tag_pattern
+        return conn.execute(_stmts(conn, tables).memo(_kept_rows, *kept_shape), kept_params).all()
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None, tag_pattern is not None)
+    shape = (
+        dead,
+        None if dead else state,
+        bool(key_prefix),
+        key is not None,
+        after is not None,
+        key_order,
+        tag_pattern is not None,
+    )
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
+    if after is not None:
+        params.update(after_at=after[0], after_id=after[1], after_key=after[2])
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
     if tag_pattern is not None:
@@ -236,8 +342,8 @@ def dead_count(conn: Connection, tables: Tables, queue: str, key: str) -> int:
 
 
 # -- the Spark data source's reads of a queue's messages or dead letters, by id -----------------------
-def _scanned(tables: Tables, dead: bool) -> sa.Table:
-    return tables.dead_letters if dead else tables.messages
+def _scanned(tables: Tables, dead: bool, finished: bool = False) -> sa.Table:
+    return tables.finished if finished else tables.dead_letters if dead else tables.messages
 
 
 def _scan_where(
@@ -260,10 +366,12 @@ def scan_span(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> tuple[int | None, int | None, int]:
     """The lowest and highest id and the count of the rows (of ``queue``, or all; ids ``low..high``) that
-    match ``where`` (conditions over the table's columns: the data source's pushed filters)."""
-    t = _scanned(tables, dead)
+    match ``where`` (conditions over the table's columns: the data source's pushed filters); of the live
+    messages, the dead letters (``dead``) or the kept finished messages (``finished``)."""
+    t = _scanned(tables, dead, finished)
     query = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count()).where(
         *_scan_where(t, queue, where, low, high)
     )
@@ -280,8 +388,9 @@ def scan_rows(
     where: Sequence[sa.ColumnElement[bool]] = (),
     low: int | None = None,
     high: int | None = None,
+    finished: bool = False,
 ) -> sa.Select[Any]:
     """The query of the columns ``names`` (None: all) of those rows, by id, for the caller to stream."""
-    t = _scanned(tables, dead)
+    t = _scanned(tables, dead, finished)
     columns = [t] if names is None else [t.c[n] for n in names]
     return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)

@@ -42,11 +42,17 @@ from delayq.errors import DeliveryCancelledError, InvalidInputError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
+from delayq.runtime._chores import PruneChore
 from delayq.runtime._jobs import Job, Jobs, describe, overdue
+from delayq.runtime._registry import Registry, topic_labels
 from delayq.runtime._sources import QueueSource, StartQueueJob
+from delayq.runtime._topic_gc import TopicCollector
 from delayq.runtime._topics import Start as StartTopicJob
 from delayq.runtime._topics import TopicConsumer, TopicConsumers, TopicJob
+from delayq.schema import make_tables
+from delayq.topics import _wake as topic_wake
 from delayq.topics.handler import TopicHandler
+from delayq.transactions import DEFAULT_RETRY, TransientRetry
 
 log = logging.getLogger("delayq.worker")
 
@@ -92,7 +98,10 @@ class NotBegun(Exception):
 
 
 class Core:
-    """The state and the steps of one worker, whichever driver runs them (see the module's docstring)."""
+    """The state and the steps of one worker, whichever driver runs them (see the module's docstring).
+
+    ``transient_retry``: how its queues retry their own transactions (the asyncio driver passes none:
+    a retry's pause must not block the loop; its loops back off instead)."""
 
     def __init__(
         self,
@@ -108,6 +117,7 @@ class Core:
         listen: bool,
         stall_timeout: dt.timedelta | None,
         coroutines: bool,
+        transient_retry: TransientRetry = DEFAULT_RETRY,
     ) -> None:
         if concurrency < 1:
             raise InvalidInputError("concurrency must be at least 1")
@@ -140,6 +150,15 @@ class Core:
             schema=schema,
             backoff=backoff,
         )
+        self.topic_gc = TopicCollector(
+            engine,
+            [h for h in self.handlers if isinstance(h, TopicHandler)],
+            table_prefix=table_prefix,
+            schema=schema,
+            backoff=backoff,
+            clock=clock,
+        )
+        """The garbage collector of the topics read (empty without topic handlers, or where none collects)."""
         self.jobs = Jobs(clock)
         queue_handlers = [h for h in self.handlers if not isinstance(h, TopicHandler)]
         self.queue_sources: dict[str, QueueSource] = {}
@@ -159,12 +178,22 @@ class Core:
                 schema=schema,
                 max_deliveries=h.retry.max_attempts,
                 flow_refresh=self.flow_refresh,
+                transient_retry=transient_retry,
+                **h._lifecycle_options(),
             )
             self.queue_sources[name] = QueueSource(h, q, self.jobs)
         self.sources: list[QueueSource | TopicConsumer] = [*self.queue_sources.values(), *self.topics.consumers]
         self.schedules = ScheduleRunner(self.queues, schedules_for(queue_handlers))
-        self.channel = next((s.queue.tables.messages.name for s in self.queue_sources.values()), "")  # "": no queues
-        self.listens = listen and bool(self.channel) and dialect_for(engine).can_notify
+        self.pruner = (
+            PruneChore(engine, self.name, table_prefix=table_prefix, schema=schema, clock=clock)
+            if self.queue_sources
+            else None
+        )
+        """The pruner of kept rows (one worker at a time prunes); None without queue handlers."""
+        self.channel = make_tables(table_prefix, schema).messages.name
+        """The LISTEN channel: queue offers notify their queue's name, topic publishes ``topic:{name}``."""
+        self._wakers = set(self.queue_sources) | {topic_wake.payload(c.sub.topic) for c in self.topics.consumers}
+        self.listens = listen and dialect_for(engine).can_notify
         self.stall_timeout = None if stall_timeout is None else stall_timeout.total_seconds()
         self.stopping = threading.Event()
         """Set: no new claims (a stop was asked)."""
@@ -178,6 +207,22 @@ class Core:
         """Whether a claim of one costs fewer round trips than a batch (PostgreSQL: one autocommitted
         statement, against BEGIN + SET LOCAL, the claim, COMMIT): then an idle worker claims one first."""
         self._idle = True  # the last fetch started nothing
+        self.registry = Registry(
+            engine,
+            make_tables(table_prefix, schema),
+            name=self.name,
+            driver="asyncio" if coroutines else "threads",
+            queues=list(self.queue_sources),
+            topics=topic_labels([(c.sub.topic, c.sub.group) for c in self.topics.consumers]),
+            slots=concurrency,
+            clock=clock,
+        )
+        """This worker's row in the worker registry (``delayq workers``): ``register`` at the start, a beat with
+        the heartbeat's, ``deregister`` at a clean stop. Never raises."""
+
+    def wakes(self, payload: str) -> bool:
+        """Whether a notification's payload names one of this worker's queues or topics."""
+        return payload in self._wakers
 
     @property
     def queues(self) -> Sequence[DelayedQueue]:
@@ -257,8 +302,10 @@ class Core:
             if handler.transactional:
                 self._handle_in_transaction(handler, job.queue, delivery, self.stall_timeout)
                 return False
+            started = time.monotonic()
             with observe.handling(delivery):  # the delivery log, metrics and tracing hear of it
-                handler.handle(delivery)
+                result = handler.handle(delivery)
+            delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
             return True
         except DeliveryCancelledError:  # raise_if_cancelled: the lock is gone, nothing to record
             log.info("%s: its handler stopped: cancelled, or its lock lost", delivery.label)
@@ -296,10 +343,12 @@ class Core:
         try:
             with queue.transaction() as conn:
                 begun = True
+                started = time.monotonic()
                 with observe.handling(delivery):  # begun: from here on it is an attempt
-                    handler.handle(delivery, conn)
+                    result = handler.handle(delivery, conn)
+                took = dt.timedelta(seconds=time.monotonic() - started)
                 bounds.arm(conn.connection.dbapi_connection, call_bound)  # until the COMMIT returns
-                if not delivery.ack(using=conn):
+                if not delivery.ack(result=result, duration=took, using=conn):
                     conn.rollback()
                     log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
         except Exception as exc:
@@ -309,8 +358,22 @@ class Core:
 
     # -- heartbeats, timeouts, acks -------------------------------------------------------------
     def beat(self) -> bool:
-        """Extend the queue locks due (one statement per queue); False when one failed."""
-        return self.jobs.beat()
+        """Extend the queue locks due (one statement per queue), then beat in the worker registry (every
+        ``delayq.runtime._registry.BEAT`` seconds; never raises); False when an extension failed."""
+        ok = self.jobs.beat()
+        self.registry.beat(self.slots_in_use(), self.handled)
+        return ok
+
+    def slots_in_use(self) -> int:
+        return self.concurrency - self.free_slots()
+
+    def register(self) -> None:
+        """Insert this worker's row in the registry (a failure is logged; the next beat tries again)."""
+        self.registry.start(self.slots_in_use(), self.handled)
+
+    def deregister(self) -> None:
+        """Mark this worker stopped in the registry (a clean stop; a failure is logged)."""
+        self.registry.stop(self.handled)
 
     def overdue_jobs(self) -> list[tuple[Job | TopicJob, str, dt.timedelta, str]]:
         """The jobs found running past their handler's ``timeout`` since the last call, each once:

@@ -31,6 +31,7 @@ from delayq.clock import Clock
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.handler import DeadLetter, Retry
 from delayq.humanize import human
+from delayq.runtime import _topic_observe as _observe
 from delayq.runtime._jobs import Cancellable, describe, overdue, ran_past
 from delayq.topics.delivery import LeaseLostError, TopicDelivery
 from delayq.topics.handler import TopicHandler
@@ -181,6 +182,7 @@ class TopicConsumer:
                 job.started_on_clock = None if self.clock is None else self.clock.now()
                 with self._lock:
                     self._jobs[id(job)] = job
+                _observe.started(self, job)
                 job.task = start(self, job)
                 jobs.append(job)
             return jobs
@@ -206,6 +208,7 @@ class TopicConsumer:
                     handler.handle(d)
             except LeaseLostError:
                 job.finishing = True
+                _observe.outcome(self, job, "lease_lost", None)
                 log.warning("%s: lease lost while handling; its writes were rolled back", job.label)
                 return
             except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
@@ -219,6 +222,8 @@ class TopicConsumer:
             job.finishing = True
             if not handler.transactional:
                 self._ack(job)
+            else:  # acked in its transaction
+                _observe.outcome(self, job, "acked", None)
         finally:
             self.forget(job, done)
 
@@ -249,13 +254,16 @@ class TopicConsumer:
             if self._jobs.pop(id(job), None) is None:
                 return  # forgotten already
             self.handled += 1
+        _observe.finished(self, job)
         done()
 
     def _ack(self, job: TopicJob) -> None:
         try:
             if self.sub.ack(job.delivery):
+                _observe.outcome(self, job, "acked", None)
                 log.debug("%s: handled", job.label)
             else:
+                _observe.outcome(self, job, "lease_lost", None)
                 log.warning("%s: lease lost before the ack; the partition's holder gets it again", job.label)
         except Exception as exc:  # (delayq retried transient errors already)
             log.warning("%s: could not ack (%s); it will be delivered again", job.label, describe(exc))
@@ -281,6 +289,9 @@ class TopicConsumer:
                     exc_info=traceback,
                 )
                 recorded = self.sub.nack(d, outcome.delay, outcome.error)
+            _observe.outcome(
+                self, job, ("dead" if isinstance(outcome, Bury) else "nacked") if recorded else "lease_lost", exc
+            )
             if not recorded:
                 log.warning("%s: lease lost before the outcome was recorded", job.label)
         except Exception as db_error:
@@ -327,6 +338,7 @@ class TopicConsumer:
         self._rebalance_at = time.monotonic() + self._rebalance_every
         self._rebalanced_on_clock = None if self.clock is None else self.clock.now()
         if held != before:
+            _observe.rebalanced(self)
             log.info("%s: %s holds partitions %s", self.label, self.sub.name, sorted(held) or "none")
         if held - before:
             wake()

@@ -6,6 +6,8 @@ Every option is a string (Spark passes them so); names are case-insensitive.
   refused (executors could not share it).
 - ``queue`` or ``topic`` (exactly one): what is read or written.
 - ``dead`` (``false``): with ``queue``, read its dead letters instead of its live messages.
+- ``finished`` (``false``): with ``queue``, read the messages kept after they finished instead (``completed``
+  or ``cancelled``, with their results and durations: ``DelayedQueue(retention=)``, ``unique_for``).
 - ``tag`` (none): with ``queue``, a batch read of only the messages (or dead letters) carrying this tag
   (``offer(tags=)``); the database filters them (``tags LIKE '%,tag,%'``, no index).
 - ``group``: with ``topic``, a consumer group whose watermarks follow a streaming query's committed offsets,
@@ -44,6 +46,7 @@ KNOWN = {
     "queue",
     "topic",
     "dead",
+    "finished",
     "tag",
     "group",
     "table_prefix",
@@ -130,6 +133,7 @@ class SourceOptions:
     queue: str | None = None
     topic: str | None = None
     dead: bool = False
+    finished: bool = False
     tag: str | None = None
     group: str | None = None
     table_prefix: str = DEFAULT_PREFIX
@@ -178,6 +182,9 @@ class SourceOptions:
             raise InvalidInputError(
                 "option 'dead' applies to a queue (a topic's dead letters are the topic {topic}_dlq)"
             )
+        finished = _bool(given, "finished")
+        if finished and (queue is None or dead):
+            raise InvalidInputError("option 'finished' applies to a queue, without 'dead'")
         tag = given.get("tag")
         if tag is not None:
             if queue is None:
@@ -191,6 +198,7 @@ class SourceOptions:
             queue=queue,
             topic=topic,
             dead=dead,
+            finished=finished,
             tag=tag,
             group=group,
             table_prefix=prefix,

@@ -45,6 +45,8 @@ from delayq.tags import LIKE_ESCAPE, tag_pattern
 from delayq.topics import _scans
 from delayq.topics.statements import TopicStatements, statements_for
 
+KEPT_STATES = _views.KEPT_STATES
+_KEPT_NAMES = {code: name for name, code in KEPT_STATES.items()}
 STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
 later (``scheduled``), or held by a consumer whose lock has not expired (``in_flight``)."""
@@ -80,6 +82,27 @@ DEAD_LETTER_SCHEMA = T.StructType(
         T.StructField("failed_at", T.TimestampType(), False),
     ]
 )
+FINISHED_SCHEMA = T.StructType(
+    [
+        T.StructField("id", T.LongType(), False),
+        T.StructField("queue", T.StringType(), False),
+        T.StructField("key", T.StringType(), False),
+        T.StructField("payload", T.BinaryType(), False),
+        T.StructField("payload_type", T.StringType(), False),
+        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
+        T.StructField("state", T.StringType(), False),
+        T.StructField("scheduled_at_initially", T.TimestampType(), False),
+        T.StructField("created_at", T.TimestampType(), False),
+        T.StructField("attempts", T.IntegerType(), False),
+        T.StructField("last_error", T.StringType(), True),
+        T.StructField("finished_at", T.TimestampType(), False),
+        T.StructField("duration_ms", T.LongType(), True),
+        T.StructField("result", T.BinaryType(), True),
+        T.StructField("result_type", T.StringType(), True),
+        T.StructField("result_json", T.StringType(), True, {JSON_TEXT: True}),
+    ]
+)
+"""A queue's kept finished messages (option ``finished``): ``state`` is ``completed`` or ``cancelled``."""
 LOG_SCHEMA = T.StructType(
     [
         T.StructField("topic", T.StringType(), False),
@@ -98,18 +121,20 @@ Pushed = tuple[str, str, Any]
 """A filter the database evaluates: (column, op, value), op one of eq, in, prefix, gt, ge, lt, le; times
 in epoch ms."""
 
-_TIMES = {"scheduled_at", "scheduled_at_initially", "created_at", "failed_at", "published_at"}
+_TIMES = {"scheduled_at", "scheduled_at_initially", "created_at", "failed_at", "published_at", "finished_at"}
 _COLUMN = {"offset": "message_offset"}  # the DataFrame's name -> the table's
 
 
 def schema_for(opts: SourceOptions) -> T.StructType:
     if opts.topic is not None:
         return LOG_SCHEMA
+    if opts.finished:
+        return FINISHED_SCHEMA
     return DEAD_LETTER_SCHEMA if opts.dead else MESSAGE_SCHEMA
 
 
 _NAMES = {"queue", "key", "topic", "partition_key", "message_id"}  # compared byte for byte on every backend
-_NUMBERS = {"id", "attempts", "partition", "offset"}
+_NUMBERS = {"id", "attempts", "partition", "offset", "duration_ms"}
 
 
 def translate(f: Any, columns: set[str]) -> Pushed | None:
@@ -178,6 +203,8 @@ def _same_name(col: sa.ColumnElement[Any], value: str) -> sa.ColumnElement[bool]
 def condition(table: sa.Table, pushed: Pushed, now: int | None) -> sa.ColumnElement[bool]:
     """The WHERE clause of one pushed filter (``now`` is the plan's time, for ``state``)."""
     name, op, value = pushed
+    if name == "state" and "finished_at" in table.c:  # a kept message's state is stored
+        return table.c.state.in_([KEPT_STATES[v] for v in value if v in KEPT_STATES]) if value else sa.false()
     if name == "state":
         assert now is not None
         due, locked = table.c.scheduled_at <= now, table.c.lock_token.is_not(None)
@@ -262,7 +289,8 @@ class DelayqReader(DataSourceReader):
         t, tables, dead, queue = self._table(), self.opts.tables(), self.opts.dead, self.opts.queue
         where = [condition(t, p, now) for p in self.pushed] + self._tagged(t)
         pushed = tuple(self.pushed)
-        low, high, rows = _views.scan_span(conn, tables, dead=dead, queue=queue, where=where)
+        finished = self.opts.finished
+        low, high, rows = _views.scan_span(conn, tables, dead=dead, queue=queue, where=where, finished=finished)
         if not rows or low is None or high is None:
             return [DelayqPartition(QueueSlice(None, None, 0), pushed)]  # (rows offered later are read too)
         slices = max(1, min(self.opts.partitions or 4, rows))
@@ -270,7 +298,8 @@ class DelayqReader(DataSourceReader):
         bounds = [(start, min(high, start + step - 1)) for start in range(low, high + 1, step)]
         # Each slice's own count (a query per slice, at most ``partitions``): the plan shows what each reads.
         per = [
-            _views.scan_span(conn, tables, dead=dead, queue=queue, where=where, low=lo, high=hi)[2] for lo, hi in bounds
+            _views.scan_span(conn, tables, dead=dead, queue=queue, where=where, low=lo, high=hi, finished=finished)[2]
+            for lo, hi in bounds
         ]
         kept = [(lo, hi, n) for (lo, hi), n in zip(bounds, per, strict=True) if n]
         # Open at both ends: ids below the first or above the last, there by the time a task runs, are read.
@@ -310,6 +339,8 @@ class DelayqReader(DataSourceReader):
         tables = self.opts.tables()
         if self.opts.topic is not None:
             return tables.topics.log
+        if self.opts.finished:
+            return tables.finished
         return tables.dead_letters if self.opts.dead else tables.messages
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
@@ -333,6 +364,7 @@ class DelayqReader(DataSourceReader):
                         where=filters,
                         low=part.low,
                         high=part.high,
+                        finished=self.opts.finished,
                     )
                     with fetch(conn, query) as chunks:
                         yield from arrow_batches(chunks, schema, now)
@@ -408,8 +440,11 @@ _MS_RANGE = (-62_135_596_800_000, 253_402_300_799_999)  # Python's datetime.min 
 def stored_names(schema: T.StructType) -> list[str]:
     """What a read of ``schema`` selects: its columns but the computed ``payload_json`` and ``state``, and
     ``lock_token`` for ``state``."""
-    names = [n for n in schema.fieldNames() if n not in ("payload_json", "state")]
-    return [*names, "lock_token"] if "state" in schema.fieldNames() else names
+    fields = schema.fieldNames()
+    if "finished_at" in fields:  # a kept message: its state is stored (as a number)
+        return [n for n in fields if n not in ("payload_json", "result_json")]
+    names = [n for n in fields if n not in ("payload_json", "state")]
+    return [*names, "lock_token"] if "state" in fields else names
 
 
 def stored_column_names(schema: T.StructType) -> list[str]:
@@ -472,7 +507,13 @@ def arrow_batches(
         columns["payload_json"] = [
             str(p, "utf-8") if k == "json" else None for p, k in zip(payloads, kinds, strict=True)
         ]
-        if "lock_token" in columns:  # the state
+        if "finished_at" in columns:  # a kept message's state, by name, and its result as JSON text
+            columns["state"] = [_KEPT_NAMES.get(code, str(code)) for code in columns["state"]]
+            columns["result_json"] = [
+                str(r, "utf-8") if r is not None and k == "json" else None
+                for r, k in zip(columns["result"], columns["result_type"], strict=True)
+            ]
+        elif "lock_token" in columns:  # the state
             assert now is not None
             columns["state"] = [
                 "ready" if due <= now else "scheduled" if lock is None else "in_flight"

@@ -70,6 +70,8 @@ class DelayqDataSource(DataSource):
             raise InvalidInputError("format delayq appends (offers, publishes): use mode('append')")
         if opts.dead:
             raise InvalidInputError("dead letters are read, not written: drop the option 'dead'")
+        if opts.finished:
+            raise InvalidInputError("finished messages are read, not written: drop the option 'finished'")
         _checked(opts)
         return opts
 

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
+import uuid
 from collections.abc import Callable
 
 import click
 import sqlalchemy as sa
 
 from delayq.browse import database_now
-from delayq.cli._common import Fail, connect, emit, friendly, relative
+from delayq.cli._common import Fail, connect, emit, friendly, read_payload, relative
+from delayq.cli._root import parse_duration
 from delayq.humanize import human
 from delayq.schema import make_tables
+from delayq.topics import _gc
+from delayq.topics._context import TopicContext
+from delayq.topics.names import check_topic, partition_for
 from delayq.topics.topic import Topic
 from delayq.topics.views import group_lag, list_groups, list_topics
 
@@ -45,6 +51,82 @@ def topics_ls(ctx: click.Context, as_json: bool) -> None:
         _checked(ctx, conn)
         found = list_topics(engine, table_prefix=ctx.obj["prefix"])
     emit([dataclasses.asdict(t) for t in found], as_json, ["topic", "partitions", "published", "retained"])
+
+
+@topics.command(name="create")
+@click.argument("topic")
+@click.option("--partitions", required=True, type=int, help="How many partitions (fixed once created).")
+@click.pass_context
+@friendly
+def topics_create(ctx: click.Context, topic: str, partitions: int) -> None:
+    """Create TOPIC (and its dead-letter topic TOPIC_dlq) with --partitions N, unless it exists with N already
+    (another count is refused)."""
+    check_topic(topic)
+    with connect(ctx) as (engine, conn):
+        _checked(ctx, conn)
+        existed = topic in {t.topic for t in list_topics(engine, table_prefix=ctx.obj["prefix"])}
+        conn.rollback()  # hold nothing while the topic works on its own connection
+        n = _topic(engine, ctx, topic).create(partitions)
+    click.echo(f"{topic}: {'exists' if existed else 'created'} with {n} partition{'s' * (n != 1)}")
+
+
+@topics.command(name="publish")
+@click.argument("topic")
+@click.argument("key")
+@click.argument("payload")
+@click.option("--id", "message_id", help="The message's id (publishing it again is ignored); a new UUID by default.")
+@click.pass_context
+@friendly
+def topics_publish(ctx: click.Context, topic: str, key: str, payload: str, message_id: str | None) -> None:
+    """Publish a message to TOPIC under partition KEY: PAYLOAD is JSON (a string needs its quotes:
+    '"hello"'), @FILE for a file's, - for stdin's. Prints its partition, id and outcome."""
+    text, where = read_payload(payload)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise Fail(f"{where} is not JSON ({exc}): write a string with its quotes, e.g. '\"hello\"'") from None
+    mid = message_id if message_id is not None else uuid.uuid4().hex
+    with connect(ctx) as (engine, conn):
+        _existing(ctx, engine, conn, topic)
+        conn.rollback()
+        t = _topic(engine, ctx, topic)
+        outcome = t.publish(key, mid, value)
+        partition = partition_for(key, t.partitions())
+    click.echo(f"{topic}[{partition}] {key} {mid}: {outcome.value}")
+
+
+@topics.command(name="gc")
+@click.argument("names", metavar="[TOPIC]...", nargs=-1)
+@click.option("--keep-for", "keep_text", help="Keep messages younger than this, e.g. 1h, 7d (default: 0).")
+@click.option("--batch", default=_gc.BATCH, show_default=True, type=int, help="Messages per transaction at most.")
+@click.option("--max-batches", type=int, help="Stop after this many transactions per topic (default: until done).")
+@click.pass_context
+@friendly
+def topics_gc(
+    ctx: click.Context, names: tuple[str, ...], keep_text: str | None, batch: int, max_batches: int | None
+) -> None:
+    """Delete the messages of each TOPIC (default: every topic) that all its consumer groups are done with,
+    in transactions of --batch messages; a topic no group reads is kept whole. Safe beside running workers
+    (they collect too: each partition is collected by one at a time)."""
+    keep_for = parse_duration(keep_text) if keep_text is not None else dt.timedelta(0)
+    _gc.check_retention(keep_for, batch)
+    if max_batches is not None and max_batches < 1:
+        raise Fail(f"--max-batches must be at least 1, got {max_batches}")
+    with connect(ctx) as (engine, conn):
+        _checked(ctx, conn)
+        known = sorted(t.topic for t in list_topics(engine, table_prefix=ctx.obj["prefix"]))
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise Fail(f"no topic named {unknown[0]!r} (topics: {', '.join(known) or 'none yet'})")
+        conn.rollback()
+        # (not through ``Topic``: a dead-letter topic's name may be longer than a topic's own)
+        where = TopicContext(engine, clock=None, table_prefix=ctx.obj["prefix"])
+        for name in names or known:
+            done = _gc.collect(where, name, keep_for=keep_for, batch=batch, max_batches=max_batches)
+            passed = f" ({done.skipped} partition(s) held by another collector or a publisher: later)" * bool(
+                done.skipped
+            )
+            click.echo(f"{name}: {done.deleted} message(s) collected{passed}")
 
 
 @topics.command(name="lag")

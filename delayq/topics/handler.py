@@ -37,6 +37,10 @@ class TopicHandler(Handler):
       extends it while ``handle`` runs. 5 minutes.
     - ``lease_duration``: how long a dead worker's partitions wait before others take them. 30 s.
     - ``start``: where a new group starts: ``"earliest"`` (the oldest retained message) or ``"latest"``.
+    - ``collect_garbage``: the worker deletes the topic's messages every group is done with, in bounded
+      batches, one worker per partition at a time (see docs/operations.md). True.
+    - ``keep_for``: with ``collect_garbage``, messages younger than this stay in the log even once every
+      group is done with them (for replays and inspection). 0.
     - ``transactional``: exactly-once database effects: ``handle(delivery, conn)`` runs inside the
       transaction that acks the message (``Subscription.handle_exactly_once``); when the lease or
       the delivery was lost meanwhile, its writes roll back. False.
@@ -53,6 +57,8 @@ class TopicHandler(Handler):
     strict: ClassVar[bool] = False
     lease_duration: ClassVar[dt.timedelta] = dt.timedelta(seconds=30)
     start: ClassVar[Literal["earliest", "latest"]] = "earliest"
+    collect_garbage: ClassVar[bool] = True
+    keep_for: ClassVar[dt.timedelta] = dt.timedelta(0)
 
     def handle(  # type: ignore[override]
         self, delivery: TopicDelivery, conn: Connection | None = None

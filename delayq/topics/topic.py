@@ -9,12 +9,14 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
+from delayq import observe
 from delayq.clock import Clock
 from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import JsonSerializer, Serializer, encode
+from delayq.topics import _headers, _wake
 from delayq.topics._context import TopicContext
 from delayq.topics._log import append as append
 from delayq.topics._log import append_offsets as append_offsets
@@ -52,6 +54,8 @@ class Topic:
         serializer: encodes payloads; defaults to ``JsonSerializer()``.
         clock: where "now" comes from (``published_at``); the database's clock by default.
         table_prefix, schema, transient_retry: as for ``DelayedQueue``.
+        notify: on PostgreSQL, wake the subscribers listening in workers (NOTIFY) when a publish
+            commits; they poll otherwise. True.
 
     A message goes to the partition of its partition key (``partition_for``); within a partition
     offsets are 1, 2, 3, … in the order the publishing transactions commit, with no gaps.
@@ -67,8 +71,10 @@ class Topic:
         table_prefix: str = DEFAULT_PREFIX,
         schema: str | None = None,
         transient_retry: TransientRetry = DEFAULT_RETRY,
+        notify: bool = True,
     ) -> None:
         self.name = check_topic(name)
+        self.notify = notify
         self.serializer: Serializer = serializer or JsonSerializer()
         self.ctx = TopicContext(
             engine, clock=clock, table_prefix=table_prefix, schema=schema, transient_retry=transient_retry
@@ -135,10 +141,17 @@ class Topic:
                 self._partitions = self.ctx.partitions(conn, stmts, self.name)
             n = self._partitions
             items = [(partition_for(key, n), key, mid, payload) for key, mid, payload in prepared]
-            created = append(conn, stmts, self.ctx.now_param(), self.name, items, self.serializer.type_tag)
+            extra = None if headers is None else [{"headers": headers}] * len(items)
+            created = append(conn, stmts, self.ctx.now_param(), self.name, items, self.serializer.type_tag, extra)
+            if self.notify and any(created):
+                _wake.notify(conn, dialect, self.ctx.tables, self.name)
             return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED for made in created]
 
-        return self.ctx.runner.run(using, op, "transaction")
+        with observe.publishing_topic(self.name, len(prepared)) as added:  # (tracing: the publish's span)
+            headers = _headers.encode(added)
+            outcomes = self.ctx.runner.run(using, op, "transaction")
+        observe.count_topic("published", self.name, "", outcomes.count(OfferOutcome.CREATED))
+        return outcomes
 
     # -- operators ------------------------------------------------------------------------------
     def heads(self, *, using: Using = None) -> list[PartitionInfo]:

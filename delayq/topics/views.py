@@ -207,3 +207,38 @@ def group_lag(
         )
         for r in rows
     ]
+
+
+@dataclass(frozen=True)
+class SubscriberBeat:
+    """A subscriber of a consumer group as its heartbeats show it."""
+
+    group: str
+    subscriber: str
+    heartbeat_at: dt.datetime
+    """Its last heartbeat, on the database's clock (or its injected one)."""
+    deregistered_at: dt.datetime | None
+    """When it left (closed its subscription); None while it is a member."""
+
+
+def list_subscribers(
+    engine: Engine, topic: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
+) -> list[SubscriberBeat]:
+    """The subscribers of ``topic``'s consumer groups with their last heartbeat, by group and name (one read)."""
+    sub = make_tables(table_prefix, schema).topics.subscribers
+    query = (
+        sa.select(sub.c.consumer_group, sub.c.subscriber, sub.c.heartbeat_at, sub.c.deregistered_at)
+        .where(sub.c.topic == topic)
+        .order_by(sub.c.consumer_group, sub.c.subscriber)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [
+        SubscriberBeat(
+            r.consumer_group,
+            r.subscriber,
+            from_ms(int(r.heartbeat_at)),
+            None if r.deregistered_at is None else from_ms(int(r.deregistered_at)),
+        )
+        for r in rows
+    ]

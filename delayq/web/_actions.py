@@ -1,0 +1,205 @@
+"""The actions (POST only): run now, reschedule, cancel, requeue or purge dead letters (one, or in bulk after
+a confirmation), pause, resume, limits. Each goes through ``DelayedQueue``'s public operations.
+
+Refused (403, nothing changed) when the dashboard is read-only or the CSRF token is missing or wrong; bad
+input answers 400 with one line. A done action redirects (303) back to the page it came from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+from urllib.parse import parse_qsl
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from delayq.browse import State, list_messages
+from delayq.errors import InvalidInputError
+from delayq.queue import DelayedQueue, check_prefix, check_queue_name
+from delayq.web import _csrf
+from delayq.web._reads import Where
+from delayq.web._render import Dashboard, base_path, notice
+
+BULK_PAGE = 500
+"""Dead letters read per page while a bulk requeue walks them."""
+COUNT_SHOWN = 10_000
+"""A bulk confirmation counts the matching dead letters up to this many ("at least" beyond)."""
+
+
+async def act(dash: Dashboard, request: Request) -> Response:
+    """Check the request, then run the action its path names."""
+    if not dash.actions:
+        return dash.error(request, 403, "this dashboard is read-only (start it with --allow-actions)")
+    form = dict(parse_qsl((await request.body()).decode("utf-8", "replace"), keep_blank_values=True))
+    if not _csrf.valid(request, form):
+        return dash.error(request, 403, "missing or wrong CSRF token: reload the page and try again")
+    name = request.path_params["action"]
+    action = ACTIONS.get(name)
+    if action is None:
+        return dash.error(request, 404, f"no action {name!r}")
+    try:
+        queue = check_queue_name(form.get("queue", ""))
+        if name in BULK and form.get("confirmed") != "yes":
+            n, more = await run_in_threadpool(_count_dead, dash.where, queue, _prefix(form))
+            back = _safe_target(request, form)
+            return dash.render(request, "confirm.html", action=name, form=form, count=n, more=more, back=back)
+        done = await run_in_threadpool(action, dash.where.queue(queue), form, dash.where)
+    except InvalidInputError as exc:
+        return dash.error(request, 400, str(exc))
+    dash.snapshots.refresh_soon()  # (the counts the next pages show)
+    response = RedirectResponse(_safe_target(request, form), status_code=303)
+    notice(response, done, base_path(request))
+    return response
+
+
+def _safe_target(request: Request, form: dict[str, str]) -> str:
+    """The page the form came from: a path of this dashboard only (else the overview)."""
+    base = base_path(request)
+    target = form.get("next", "")
+    if not target.startswith(base + "/") or target.startswith("//") or "\\" in target:
+        return base + "/"
+    return target
+
+
+def _key(form: dict[str, str]) -> str:
+    key = form.get("key", "")
+    if not key:
+        raise InvalidInputError("no key given")
+    return key
+
+
+def _prefix(form: dict[str, str]) -> str | None:
+    prefix = form.get("prefix", "")
+    return check_prefix(prefix) if prefix else None
+
+
+def _found(ok: bool, what: str, key: str) -> str:
+    return what if ok else f"nothing done: no message {key!r} (gone meanwhile?)"
+
+
+def _run_now(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    key = _key(form)
+    return _found(q.reschedule(key), f"{key}: due now", key)
+
+
+def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    key = _key(form)
+    try:
+        seconds = float(form.get("in_seconds", ""))
+    except ValueError:
+        raise InvalidInputError("give the delay in seconds, e.g. 300") from None
+    if not 0 <= seconds <= 100 * 365 * 86400:
+        raise InvalidInputError("the delay must be from 0 to 100 years")
+    return _found(q.reschedule(key, dt.timedelta(seconds=seconds)), f"{key}: due in {seconds:g}s", key)
+
+
+def _cancel(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    key = _key(form)
+    return _found(q.cancel(key), f"{key}: cancelled", key)
+
+
+def _requeue(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    key = _key(form)
+    return _found(q.requeue_dead(key), f"{key}: requeued", key)
+
+
+def _purge(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    key = _key(form)
+    n = q.purge_dead(key=key)
+    return _found(n > 0, f"{key}: {n} dead letter(s) purged", key)
+
+
+def _dead_pages(where: Where, queue: str, prefix: str | None) -> Iterator[list[str]]:
+    """The keys of the matching dead letters, a page at a time, walked once by keyset (by id)."""
+    after: tuple[int, int, str] | None = None
+    while True:
+        with where.engine.connect() as conn:
+            found = list_messages(
+                conn,
+                where.tables,
+                queue,
+                state=State.DEAD,
+                now=dt.datetime.now(dt.UTC),  # (unused for dead letters)
+                key_prefix=prefix,
+                limit=BULK_PAGE,
+                after=after,
+            )
+            conn.rollback()
+        if not found:
+            return
+        yield [m.key for m in found]
+        after = found[-1].cursor
+
+
+def _count_dead(where: Where, queue: str, prefix: str | None) -> tuple[int, bool]:
+    """How many dead letters match (counted up to ``COUNT_SHOWN``), and whether more do."""
+    n = 0
+    for keys in _dead_pages(where, queue, prefix):
+        n += len(keys)
+        if n >= COUNT_SHOWN:
+            return n, True
+    return n, False
+
+
+def _requeue_all(q: DelayedQueue, form: dict[str, str], where: Where) -> str:
+    done = 0
+    for keys in _dead_pages(where, q.name, _prefix(form)):
+        done += sum(q.requeue_dead(k) for k in dict.fromkeys(keys))
+    return f"{done} dead letter(s) requeued"
+
+
+def _purge_all(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    prefix = _prefix(form)
+    n = q.purge_dead(key_prefix=prefix) if prefix else q.purge_dead(everything=True)
+    return f"{n} dead letter(s) purged"
+
+
+def _pause(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    q.pause()
+    return f"{q.name}: paused"
+
+
+def _resume(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    q.resume()
+    return f"{q.name}: resumed"
+
+
+def _limit_value(text: str, what: str) -> int | None:
+    text = text.strip().lower()
+    if text in ("", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidInputError(f"the {what} must be a positive integer or empty (no limit), got {text!r}") from None
+
+
+def _limits(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+    concurrency = _limit_value(form.get("concurrency", ""), "concurrency limit")
+    rate = _limit_value(form.get("rate", ""), "rate limit")
+    try:
+        per = dt.timedelta(seconds=float(form.get("per_seconds", "1") or "1"))
+    except ValueError:
+        raise InvalidInputError("the rate's period must be a number of seconds") from None
+    q.set_concurrency_limit(concurrency)
+    q.set_rate_limit(rate, per)
+    return f"{q.name}: limits set"
+
+
+Action = Callable[[DelayedQueue, dict[str, str], Where], str]
+ACTIONS: dict[str, Action] = {
+    "run-now": _run_now,
+    "reschedule": _reschedule,
+    "cancel": _cancel,
+    "requeue": _requeue,
+    "purge": _purge,
+    "requeue-all": _requeue_all,
+    "purge-all": _purge_all,
+    "pause": _pause,
+    "resume": _resume,
+    "limits": _limits,
+}
+BULK = {"requeue-all", "purge-all"}
+"""Actions on many dead letters: they answer a confirmation page first."""

@@ -1,0 +1,297 @@
+"""What the pages show, read through delayq's public operations only (as ``delayq stats``, ``ls``, ``show``,
+``cron ls`` and ``topics`` read it): no statement of its own.
+
+Optional fields that a newer ``QueueStats`` or ``Message`` may carry (``completed``, ``cancelled``, ``result``)
+are shown when present (``getattr``), so the pages need no change when they arrive.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from delayq.browse import (
+    State,
+    StoredMessage,
+    WorkerInfo,
+    arrival_marks,
+    database_now,
+    list_messages,
+    list_workers,
+    queue_names,
+)
+from delayq.cron import schedule_views
+from delayq.errors import SerializationMismatchError
+from delayq.humanize import human, shorten
+from delayq.messages import FlowState, Message, QueueStats
+from delayq.queue import DelayedQueue
+from delayq.schema import Tables, make_tables
+from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
+from delayq.topics.names import dead_letter_topic
+from delayq.topics.views import (
+    GroupSummary,
+    PartitionLag,
+    SubscriberBeat,
+    TopicSummary,
+    group_lag,
+    list_groups,
+    list_subscribers,
+    list_topics,
+)
+
+PAGE = 50
+"""Messages per page of a listing."""
+PAYLOAD_SHOWN = 160
+"""Characters of a payload (as JSON) a listing shows; the message's page shows it whole."""
+OPTIONAL_COUNTS = ("completed", "cancelled")
+"""Counts a ``QueueStats`` may carry beyond today's; shown where present."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where delayq's tables are, and the engine that reaches them."""
+
+    engine: sa.Engine
+    prefix: str
+    schema: str | None
+
+    @property
+    def tables(self) -> Tables:
+        return make_tables(self.prefix, self.schema)
+
+    def queue(self, name: str) -> DelayedQueue:
+        """The queue as an operator acts on it: payloads are not decoded, any serializer's rows qualify."""
+        return DelayedQueue(
+            self.engine, name, table_prefix=self.prefix, schema=self.schema, serializer=BytesSerializer()
+        )
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """One queue's line of the overview."""
+
+    name: str
+    stats: QueueStats
+    flow: FlowState
+    marks: tuple[int, int | None, int] | None = None
+    """``browse.arrival_marks`` of the queue (count, highest id, count at or below the last read's highest id)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        s, f = self.stats, self.flow
+        extra = {n: getattr(s, n) for n in OPTIONAL_COUNTS if getattr(s, n, None) is not None}
+        age = None if s.oldest_due_age is None else s.oldest_due_age.total_seconds()
+        return {
+            "queue": self.name,
+            "ready": s.ready,
+            "scheduled": s.scheduled,
+            "in_flight": s.in_flight,
+            "expired_locks": s.expired_locks,
+            "dead": s.dead,
+            **extra,
+            "oldest_due_s": age,
+            "oldest_due": "-" if s.oldest_due_age is None else human(s.oldest_due_age),
+            "paused": f.paused,
+            "limits": limits_text(f),
+        }
+
+
+def limits_text(f: FlowState) -> str:
+    """A queue's limits in a few words ("-" for none)."""
+    parts = []
+    if f.concurrency is not None:
+        parts.append(f"concurrency {f.concurrency}")
+    if f.rate is not None and f.rate_period is not None:
+        parts.append(f"rate {f.rate}/{human(f.rate_period)}")
+    if f.grouped:
+        parts.append(f"group concurrency {f.group_concurrency}")
+    return ", ".join(parts) or "-"
+
+
+def overview(where: Where, below: Mapping[str, int] | None = None) -> tuple[dt.datetime, list[QueueView]]:
+    """The database's now and every queue's counts and flow settings (two reads a queue, one connection);
+    with ``below`` (per queue, the highest id of the last read), its arrival marks too (a third read)."""
+    with where.engine.connect() as conn:
+        now = database_now(conn)
+        views = []
+        for name in queue_names(conn, where.tables):
+            q = where.queue(name)
+            marks = None if below is None else arrival_marks(conn, where.tables, name, below.get(name, 0))
+            views.append(QueueView(name, q.stats(using=conn), q.flow(using=conn), marks))
+        conn.rollback()
+    return now, views
+
+
+def one_queue(where: Where, name: str) -> QueueView:
+    """One queue's counts and flow settings (a queue the database knows nothing of shows zeros)."""
+    with where.engine.connect() as conn:
+        q = where.queue(name)
+        view = QueueView(name, q.stats(using=conn), q.flow(using=conn))
+        conn.rollback()
+    return view
+
+
+@dataclass(frozen=True)
+class Page:
+    """A page of a listing, and the cursor of the next (None on the last)."""
+
+    now: dt.datetime
+    messages: list[StoredMessage]
+    next_after: str | None
+
+
+def encode_cursor(m: StoredMessage) -> str:
+    """A message's cursor in a URL: ``due.id.key``."""
+    due, ident, key = m.cursor
+    return f"{due}.{ident}.{key}"
+
+
+def decode_cursor(text: str | None) -> tuple[int, int, str] | None:
+    """A cursor from a URL; None when absent. ``ValueError`` when it is not one."""
+    if not text:
+        return None
+    due, ident, key = text.split(".", 2)
+    return int(due), int(ident), key
+
+
+def messages_page(
+    where: Where, queue: str, *, state: State | None, key_prefix: str | None, after: tuple[int, int, str] | None
+) -> Page:
+    """A page of a queue's messages (or dead letters, with ``State.DEAD``), keyset-paginated."""
+    with where.engine.connect() as conn:
+        now = database_now(conn)
+        found = list_messages(
+            conn,
+            where.tables,
+            queue,
+            state=state,
+            now=now,
+            key_prefix=key_prefix or None,
+            limit=PAGE + 1,
+            after=after,
+            by_key=bool(key_prefix),  # (under a prefix, by key: a range of the (queue, key) index)
+        )
+        conn.rollback()
+    more = len(found) > PAGE
+    found = found[:PAGE]
+    return Page(now, found, encode_cursor(found[-1]) if more and found else None)
+
+
+def short_payload(value: object) -> str:
+    """A payload as a listing shows it: JSON, cut at ``PAYLOAD_SHOWN`` characters."""
+    shown = shorten(value, PAYLOAD_SHOWN)
+    return shown if isinstance(shown, str) and shown.endswith("characters)") else json.dumps(value, default=str)
+
+
+def pretty(value: object) -> str:
+    """A payload whole, pretty-printed."""
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
+@dataclass(frozen=True)
+class MessageView:
+    """One key of a queue: its live message (with its timings) and its dead letters."""
+
+    now: dt.datetime
+    live: StoredMessage | None
+    message: Message | None
+    dead: list[StoredMessage] = field(default_factory=list)
+
+    @property
+    def result(self) -> object:
+        """The message's result, where the queue keeps one (a newer ``Message`` field); else None."""
+        return getattr(self.message, "result", None)
+
+
+SERIALIZERS: dict[str, type[Serializer]] = {s.type_tag: s for s in (JsonSerializer, TextSerializer, BytesSerializer)}
+"""The built-in serializers by tag: ``get`` decodes a payload with the one that wrote it."""
+
+
+def message(where: Where, queue: str, key: str) -> MessageView:
+    """Everything about one key of a queue (as ``delayq show``), with ``get``'s view of a live message
+    where its payload is of a built-in serializer's (timings, and a result where the queue keeps one)."""
+    with where.engine.connect() as conn:
+        now = database_now(conn)
+        live = list_messages(conn, where.tables, queue, state=None, now=now, key=key, limit=1)
+        dead = list_messages(conn, where.tables, queue, state=State.DEAD, now=now, key=key, limit=20)
+        got = None
+        serializer = SERIALIZERS.get(live[0].payload_type) if live else None
+        if serializer is not None:
+            q = DelayedQueue(
+                where.engine, queue, table_prefix=where.prefix, schema=where.schema, serializer=serializer()
+            )
+            try:
+                got = q.get(key, using=conn)
+            except SerializationMismatchError:  # (replaced meanwhile by a payload of another serializer)
+                got = None
+        conn.rollback()
+    return MessageView(now, live[0] if live else None, got, dead)
+
+
+def cron(where: Where) -> list[dict[str, Any]]:
+    """Every installed cron schedule, as ``delayq cron ls`` shows it."""
+    with where.engine.connect() as conn:
+        views = schedule_views(where.engine, conn, where.tables)
+        conn.rollback()
+    return views
+
+
+def topics(where: Where) -> list[TopicSummary]:
+    """Every topic (dead-letter topics included), as ``delayq topics ls`` shows them."""
+    return list_topics(where.engine, table_prefix=where.prefix, schema=where.schema)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A consumer group of a topic, with its partitions as it sees them."""
+
+    summary: GroupSummary
+    partitions: list[PartitionLag]
+
+
+@dataclass(frozen=True)
+class TopicView:
+    """A topic: its summary, its dead-letter topic's, its groups and its subscribers' heartbeats."""
+
+    summary: TopicSummary | None
+    dead_letters: TopicSummary | None
+    groups: list[GroupView]
+    subscribers: list[SubscriberBeat]
+
+
+def topic(where: Where, name: str) -> TopicView:
+    """One topic, as ``delayq topics ls``, ``groups ls`` and ``lag`` show it, with its subscribers."""
+    kw: dict[str, Any] = {"table_prefix": where.prefix, "schema": where.schema}
+    every = {t.topic: t for t in list_topics(where.engine, **kw)}
+    groups = [GroupView(g, group_lag(where.engine, name, g.group, **kw)) for g in list_groups(where.engine, name, **kw)]
+    beats = list_subscribers(where.engine, name, **kw)
+    return TopicView(every.get(name), every.get(dead_letter_topic(name)), groups, beats)
+
+
+def workers(where: Where) -> list[WorkerInfo]:
+    """The worker registry (``browse.list_workers``): running workers first, then stopped and gone ones."""
+    with where.engine.connect() as conn:
+        found = list_workers(conn, where.tables)
+    order = {"running": 0, "gone": 1, "stopped": 2}
+    return sorted(found, key=lambda w: order[w.state])
+
+
+def worker_row(w: WorkerInfo) -> dict[str, Any]:
+    """A worker as the workers page shows it (and its JSON panel sends it)."""
+    return {
+        "id": w.id,
+        "host": w.host,
+        "pid": w.pid,
+        "state": w.state,
+        "serves": ", ".join([*w.queues, *w.topics]) or "-",
+        "slots": f"{w.slots_in_use}/{w.slots}",
+        "handled": w.handled,
+        "since": f"{w.started_at:%Y-%m-%d %H:%M:%S}",
+        "running_for": human(w.since),
+        "heartbeat": f"{human(w.last_heartbeat)} ago",
+        "driver": w.driver,
+    }
