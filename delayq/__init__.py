@@ -4,6 +4,7 @@ from delayq.clock import Clock, ManualClock
 from delayq.cron import CronService, Schedule
 from delayq.errors import (
     DelayqError,
+    DeliveryCancelledError,
     InvalidInputError,
     InvalidKeyError,
     InvalidQueueError,
@@ -15,7 +16,7 @@ from delayq.errors import (
     WrongApiError,
 )
 from delayq.handler import DeadLetter, Handler, Retry
-from delayq.messages import DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
+from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
@@ -25,6 +26,7 @@ from delayq.worker import Worker, WorkerHealth
 
 __all__ = [
     "BytesSerializer",
+    "CancelOutcome",
     "Clock",
     "CronService",
     "DeadLetter",
@@ -32,6 +34,7 @@ __all__ = [
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "DeliveryCancelledError",
     "FlowState",
     "Handler",
     "InvalidInputError",

@@ -18,6 +18,7 @@ from delayq.clock import from_ms, to_ms
 from delayq.history import AttemptRecord, parse
 from delayq.queue import _views, _workers, claimed_at
 from delayq.schema import Tables
+from delayq.tags import decode_tags, tag_pattern
 
 
 class State(enum.Enum):
@@ -68,6 +69,9 @@ class StoredMessage:
         due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
         return due, self.id or 0, self.key
 
+    tags: tuple[str, ...] = ()
+    """The tags its offer gave it (``delayq.tags``)."""
+
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
         if self.state is not State.IN_FLIGHT or self.claimed_at is None:
@@ -90,6 +94,7 @@ class StoredMessage:
             "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
             "duration": None if self.duration is None else self.duration.total_seconds(),
             "result": self.result,
+            "tags": list(self.tags),
         }
 
 
@@ -132,9 +137,11 @@ def list_messages(
     limit: int = 100,
     after: tuple[int, int, str] | None = None,
     by_key: bool = False,
+    tag: str | None = None,
 ) -> list[StoredMessage]:
     """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
-    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue).
+    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue); with
+    ``tag``, only those carrying it.
 
     Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
     so a page deep in a big queue costs what the first does). Kept messages (``State.COMPLETED``,
@@ -153,6 +160,7 @@ def list_messages(
         limit=limit,
         after=after,
         key_order=by_key and not dead,
+        tag_pattern=None if tag is None else tag_pattern(tag),
     )
     return [
         StoredMessage(
@@ -171,6 +179,7 @@ def list_messages(
             finished_at=None if r.finished_at is None else from_ms(r.finished_at),
             duration=None if r.duration_ms is None else dt.timedelta(milliseconds=r.duration_ms),
             result=None if r.result is None else show_payload(r.result_type or "", r.result),
+            tags=decode_tags(r.tags),
         )
         for r in rows
     ]

@@ -14,6 +14,7 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     ├── UnknownRevisionError     a migration target that names none of delayq's revisions
     ├── MissingExtraError        an optional feature whose extra is not installed (also an ImportError)
     ├── UnsupportedDatabaseError a backend or server version delayq cannot run on
+    ├── DeliveryCancelledError   a handler's delivery was cancelled or lost its lock (``raise_if_cancelled``)
     └── WrongApiError            an async engine or transaction given to the sync API, or the reverse
                                  (also a TypeError); it names the class to use
 
@@ -75,6 +76,11 @@ def install_hint(extra: str) -> str:
 
 class UnsupportedDatabaseError(DelayqError):
     """The database backend or server version cannot run delayq."""
+
+
+class DeliveryCancelledError(DelayqError):
+    """Raised by ``Delivery.raise_if_cancelled()``: the message was cancelled, or the lock lost; a worker records
+    nothing for it (the message is gone, or another consumer has it)."""
 
 
 class WrongApiError(DelayqError, TypeError):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from delayq.errors import DeliveryCancelledError
 from delayq.history import AttemptRecord
+from delayq.tags import decode_tags
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -22,6 +25,24 @@ class OfferOutcome(enum.Enum):
     CREATED = "created"
     UPDATED = "updated"
     IGNORED = "ignored"
+
+
+class CancelOutcome(enum.Enum):
+    """What ``DelayedQueue.cancel_job`` did: true when it cancelled a message (``if queue.cancel_job(key):``).
+
+    ``QUEUED``: a message no handler was running (not locked, or its lock expired) was deleted.
+    ``RUNNING``: a message whose handler runs (its lock unexpired) was deleted and recorded as cancelled; its
+    worker is told (PostgreSQL: at once, by NOTIFY; elsewhere: at its next heartbeat), and the handler's later
+    ack, retry or dead letter change nothing.
+    ``NOT_FOUND``: there was no message under the key (never offered, or finished already).
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    NOT_FOUND = "not_found"
+
+    def __bool__(self) -> bool:
+        return self is not CancelOutcome.NOT_FOUND
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +79,9 @@ class Message:
         """Whether it completed, was cancelled or dead-lettered (kept: no longer live)."""
         return self.finished_at is not None
 
+    tags: tuple[str, ...] = ()
+    """The tags its offer gave it, sorted (``delayq.tags``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class DeadMessage:
@@ -74,6 +98,8 @@ class DeadMessage:
     """When it was moved to the dead letters."""
     attempt_history: tuple[AttemptRecord, ...] = ()
     """Its failed attempts, oldest first, the one that dead-lettered it last (bounded)."""
+    tags: tuple[str, ...] = ()
+    """The tags its offer gave it, sorted (``delayq.tags``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +149,10 @@ class FlowState:
         return self.concurrency is not None or self.rate is not None or self.grouped
 
 
+_CANCEL_FLAGS = threading.Lock()
+"""Taken to make a delivery's ``cancelled`` event (made on first use: most deliveries never need one)."""
+
+
 class _Owner(Protocol):
     """What a ``Delivery`` asks of the queue that made it (``delayq.queue.DelayedQueue``, which builds on
     this module)."""
@@ -170,6 +200,39 @@ class Delivery:
     """What the handler returned, kept by the ack of a queue with a history (``ack(result=)``)."""
     _duration_ms: int | None = field(default=None, repr=False)
     """How long the handler ran, in milliseconds (``ack(duration=)``)."""
+    _tags: str | None = field(default=None, repr=False)
+    _cancelled: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags its offer gave the message, sorted (``delayq.tags``); read with the claim."""
+        return decode_tags(self._tags)
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once this delivery's work no longer counts: the message was cancelled (``DelayedQueue.cancel``),
+        replaced, or its lock was lost (expired and taken); a worker sets it when it learns so.
+
+        A thread handler checks it between steps (``is_set()``, ``wait(timeout)``) or calls
+        ``raise_if_cancelled()``; whatever it does after, its ack, retry or dead letter change nothing (each is
+        fenced by the lock token). An asyncio handler's task is cancelled instead.
+        """
+        found = self._cancelled
+        if found is None:
+            with _CANCEL_FLAGS:
+                found = self._cancelled
+                if found is None:
+                    found = self._cancelled = threading.Event()
+        return found
+
+    def raise_if_cancelled(self) -> None:
+        """Raise ``DeliveryCancelledError`` when ``cancelled`` is set: the handler stops, and nothing is recorded."""
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise DeliveryCancelledError(f"{self.label}: cancelled, or its lock was lost; its work no longer counts")
+
+    def _cancel(self) -> None:
+        """Set ``cancelled`` (the worker, when it learns the lock is gone)."""
+        self.cancelled.set()
 
     @property
     def redelivered(self) -> bool:

@@ -11,6 +11,11 @@ as ``delayq worker --metrics-port N`` does. What is exported:
   retry and dead_letter for a handler that raised ``Retry`` or ``DeadLetter``) and
   ``delayq_pickup_latency_seconds`` (from a message's due time to its handler's start; clocks of the
   database and of the worker's host both count);
+- with ``tag_labels`` (off by default): ``delayq_delivered_total`` and ``delayq_handler_duration_seconds`` also
+  carry a ``tags`` label, the message's tags (``offer(tags=...)``) joined by commas, "" for none. Each distinct
+  combination is a series of its own per queue (and outcome): ``tag_labels=True`` labels every tag, so a tag
+  that takes many values (a customer id) multiplies the series without bound; a list of tags labels only those
+  (the others are left out of the label), which bounds them to the combinations of that list;
 - gauges per queue, read at scrape time with one ``stats()`` statement and one read of its flow row per
   queue (none between scrapes): ``delayq_ready``, ``delayq_scheduled``, ``delayq_in_flight``,
   ``delayq_expired_locks``, ``delayq_dead``, ``delayq_oldest_due_age_seconds``, ``delayq_paused``.
@@ -47,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from delayq import observe
+from delayq.tags import check_tag
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -133,6 +139,10 @@ class _QueueTally:
         self.durations = {o: _Histogram(DURATION_BUCKETS) for o in OUTCOMES}
 
 
+TagLabels = bool | Iterable[str]
+"""Whether deliveries' metrics carry a ``tags`` label: False (no label), True (every tag), or the tags to label."""
+
+
 class Metrics(observe.Observer, Collector):
     """delayq's metrics in one registry; an ``Observer`` once installed (``register`` does both).
 
@@ -144,7 +154,12 @@ class Metrics(observe.Observer, Collector):
     reads_database = False
 
     def __init__(
-        self, registry: CollectorRegistry, queues: Iterable[DelayedQueue] = (), topics: Iterable[Topic] = ()
+        self,
+        registry: CollectorRegistry,
+        queues: Iterable[DelayedQueue] = (),
+        topics: Iterable[Topic] = (),
+        *,
+        tag_labels: TagLabels = False,
     ) -> None:
         self.queues: list[DelayedQueue] = list(queues)
         self.topics: list[Topic] = list(topics)
@@ -153,24 +168,38 @@ class Metrics(observe.Observer, Collector):
         self._lock = threading.Lock()  # the queues watched
         self._counting = threading.Lock()  # the numbers below
         self._counts: dict[tuple[str, str], int] = {}  # (event, queue), deliveries apart
-        self._tallies: dict[str, _QueueTally] = {}  # per queue: deliveries, their latency and duration
+        # Per queue (and its ``tags`` label, with tag labels on): deliveries, their latency and duration.
+        self._tallies: dict[tuple[str, str | None], _QueueTally] = {}
+        self._tagged = tag_labels is not False
+        self._allowed: frozenset[str] | None = (
+            None if isinstance(tag_labels, bool) else frozenset(check_tag(t) for t in tag_labels)
+        )
         registry.register(self)
+
+    def _label(self, delivery: Delivery) -> tuple[str, str | None]:
+        """The tally of a delivery: its queue, and its ``tags`` label when tag labels are on."""
+        if not self._tagged:
+            return delivery.queue, None
+        tags = delivery.tags
+        if self._allowed is not None:
+            tags = tuple(t for t in tags if t in self._allowed)
+        return delivery.queue, ",".join(tags)
 
     # -- observer -------------------------------------------------------------------------------
     def started(self, delivery: Delivery) -> object:
-        queue = delivery.queue
+        at = self._label(delivery)
         latency = max(0.0, time.time() - delivery.scheduled_at.timestamp())
         with self._counting:
-            tally = self._tallies.get(queue) or self._tallies.setdefault(queue, _QueueTally())
+            tally = self._tallies.get(at) or self._tallies.setdefault(at, _QueueTally())
             tally.delivered += 1
             tally.latency.observe(latency)
         return None
 
     def finished(self, delivery: Delivery, state: object, error: BaseException | None, duration: float) -> None:
-        queue = delivery.queue
+        at = self._label(delivery)
         with self._counting:
-            tally = self._tallies.get(queue) or self._tallies.setdefault(queue, _QueueTally())
-            tally.durations[observe.outcome(error)].observe(duration)
+            tally = self._tallies.get(at) or self._tallies.setdefault(at, _QueueTally())
+            tally.durations[observe.outcome(error, delivery)].observe(duration)
 
     def counted(self, event: observe.Event, queue: str, n: int) -> None:
         key = (event, queue)
@@ -254,26 +283,41 @@ class Metrics(observe.Observer, Collector):
         yield from families.values()
 
     def _collect_events(self) -> Iterator[Metric]:
+        tagged = ("tags",) if self._tagged else ()
         with self._counting:
             counts = dict(self._counts)
+            delivered: dict[tuple[str, ...], int] = {}
+            latency: dict[str, _Histogram] = {}  # per queue: the tags apart (summed below)
             observed: dict[str, list[tuple[tuple[str, ...], list[int], float]]] = {name: [] for name in HISTOGRAMS}
-            for queue, tally in self._tallies.items():
-                counts["delivered", queue] = tally.delivered
-                series: tuple[tuple[str, tuple[str, ...], _Histogram], ...] = (
-                    ("pickup_latency_seconds", (queue,), tally.latency),
-                    *(("handler_duration_seconds", (queue, o), h) for o, h in tally.durations.items()),
-                )
-                for name, labels, h in series:
+            for (queue, tags), tally in self._tallies.items():
+                labels: tuple[str, ...] = (queue,) if tags is None else (queue, tags)
+                delivered[labels] = tally.delivered
+                merged = latency.setdefault(queue, _Histogram(LATENCY_BUCKETS))
+                merged.counts = [a + b for a, b in zip(merged.counts, tally.latency.counts, strict=True)]
+                merged.total += tally.latency.total
+                for o, h in tally.durations.items():
                     if any(h.counts):  # a series appears with its first observation
-                        observed[name].append((labels, list(h.counts), h.total))
+                        observed["handler_duration_seconds"].append(
+                            ((*labels[:1], o, *labels[1:]), list(h.counts), h.total)
+                        )
+            for queue, h in latency.items():
+                if any(h.counts):
+                    observed["pickup_latency_seconds"].append(((queue,), list(h.counts), h.total))
         for event, doc in COUNTERS.items():
+            if event == "delivered":
+                counter = CounterMetricFamily(f"delayq_{event}", doc, labels=["queue", *tagged])
+                for series, value in delivered.items():
+                    counter.add_metric(list(series), value)
+                yield counter
+                continue
             counter = CounterMetricFamily(f"delayq_{event}", doc, labels=["queue"])
             for (name, queue), value in counts.items():
                 if name == event:
                     counter.add_metric([queue], value)
             yield counter
         for histogram, (doc, label_names, bounds) in HISTOGRAMS.items():
-            family = HistogramMetricFamily(f"delayq_{histogram}", doc, labels=list(label_names))
+            names = [*label_names, *tagged] if histogram == "handler_duration_seconds" else list(label_names)
+            family = HistogramMetricFamily(f"delayq_{histogram}", doc, labels=names)
             les = [*(repr(float(b)) for b in bounds), "+Inf"]  # as prometheus-client writes them
             for label_values, per_bucket, total in observed[histogram]:
                 cumulative = itertools.accumulate(per_bucket)
@@ -312,18 +356,24 @@ _install_lock = threading.Lock()
 
 
 def register(
-    registry: CollectorRegistry | None = None, queues: Sequence[DelayedQueue] = (), topics: Sequence[Topic] = ()
+    registry: CollectorRegistry | None = None,
+    queues: Sequence[DelayedQueue] = (),
+    topics: Sequence[Topic] = (),
+    *,
+    tag_labels: TagLabels = False,
 ) -> Metrics:
     """Install delayq's metrics in ``registry`` (prometheus-client's default one when None) and start counting.
 
-    ``queues`` get the per-queue gauges, ``topics`` the per-group ones. Calling it again with the same
-    registry returns the same ``Metrics`` (watching the new queues and topics too).
+    ``queues`` get the per-queue gauges, ``topics`` the per-group ones. ``tag_labels``: label deliveries' metrics
+    with their tags (all with True, or only those listed; see the module's docstring on cardinality). Calling it
+    again with the same registry returns the same ``Metrics`` (watching the new queues and topics too; its
+    ``tag_labels`` stay as first registered).
     """
     reg = REGISTRY if registry is None else registry
     with _install_lock:
         metrics = _installed.get(id(reg))
         if metrics is None:
-            metrics = _installed[id(reg)] = Metrics(reg)
+            metrics = _installed[id(reg)] = Metrics(reg, tag_labels=tag_labels)
             observe.add(metrics)
     metrics.watch(queues, topics)
     return metrics
@@ -345,10 +395,12 @@ def serve(
     addr: str = "0.0.0.0",
     registry: CollectorRegistry | None = None,
     topics: Sequence[Topic] = (),
+    tag_labels: TagLabels = False,
 ) -> Callable[[], None]:
-    """Register the metrics and serve ``/metrics`` on ``addr:port`` from a daemon thread; returns a stop function."""
+    """Register the metrics (``register``) and serve ``/metrics`` on ``addr:port`` from a daemon thread; returns
+    a stop function."""
     reg = REGISTRY if registry is None else registry
-    register(reg, queues, topics)
+    register(reg, queues, topics, tag_labels=tag_labels)
     server, thread = start_http_server(port, addr, registry=reg)
 
     def stop() -> None:

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from delayq._steering import DeadLetter, Retry
+from delayq.errors import DeliveryCancelledError
 
 if TYPE_CHECKING:
     from delayq.messages import Delivery
@@ -39,14 +40,20 @@ __all__ = [
     "remove",
 ]
 
-Outcome = Literal["success", "failure", "retry", "dead_letter"]
-"""How a handler call ended: returned, raised, or asked for a retry or a dead letter."""
+Outcome = Literal["success", "failure", "retry", "dead_letter", "cancelled"]
+"""How a handler call ended: returned, raised, asked for a retry or a dead letter, or stopped (raised) after its
+message was cancelled or its lock lost (``Delivery.cancelled``)."""
 
 
-def outcome(error: BaseException | None) -> Outcome:
-    """The outcome of a handler call that returned (``error`` None) or raised ``error``."""
+def outcome(error: BaseException | None, delivery: Delivery | None = None) -> Outcome:
+    """The outcome of a handler call that returned (``error`` None) or raised ``error``; with the ``delivery``, a
+    handler that raised once its work was cancelled (``Delivery.cancelled``) is ``cancelled``."""
     if error is None:
         return "success"
+    if isinstance(error, DeliveryCancelledError) or (
+        delivery is not None and delivery._cancelled is not None and delivery._cancelled.is_set()
+    ):
+        return "cancelled"
     if isinstance(error, Retry):
         return "retry"
     if isinstance(error, DeadLetter):
@@ -284,8 +291,18 @@ class DeliveryLog(Observer):
                     extra=_fields("success", delivery, duration),
                 )
             return
-        ended = outcome(error)
-        if ended != "failure":
+        ended = outcome(error, delivery)
+        if ended == "cancelled":
+            if self.logger.isEnabledFor(self.requested_level):
+                self.logger.log(
+                    self.requested_level,
+                    "%s: attempt %d stopped in %.3fs: the message was cancelled, or its lock lost",
+                    delivery.label,
+                    delivery.attempts,
+                    duration,
+                    extra=_fields(ended, delivery, duration, error),
+                )
+        elif ended != "failure":
             if self.logger.isEnabledFor(self.requested_level):
                 self.logger.log(
                     self.requested_level,

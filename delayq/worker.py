@@ -73,7 +73,8 @@ class Worker:
             recorded. 30 seconds.
         clock: the queues' clock (a ``ManualClock`` in tests); the database's clock by default.
         table_prefix, schema: where delayq's tables are.
-        listen: use PostgreSQL LISTEN/NOTIFY for wake-ups. True.
+        listen: use PostgreSQL LISTEN/NOTIFY for wake-ups, and to hear at once of a running message cancelled
+            (``DelayedQueue.cancel_job``; without it the heartbeat finds the lock gone). True.
         stall_timeout: a database call of the fetch loop or the heartbeat, or the ack and COMMIT of a
             transactional handler, that has not returned after this long is taken for a connection
             gone silent, which is dropped (see ``delayq.watchdog``, docs/workers.md "Bounds"). 60
@@ -358,8 +359,10 @@ class Worker:
         wakes = self._core.wakes
         while not self._stopped.is_set():
             try:
-                for name in dialect.listen(self.engine, self._core.channel, self._stopped):
+                for name in dialect.listen(self.engine, self._core.channel, self._stopped, cancels=True):
                     errors = 0
+                    if self._core.heard_cancel(name):
+                        continue
                     if wakes(name):
                         self._wake.set()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile

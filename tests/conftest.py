@@ -253,7 +253,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the async API (delayq.aio) ---------------------------------------------------------------
-AIO_CONTRACT_MODULES = {"test_offer", "test_poll", "test_transactions", "test_held", "test_errors", "test_lifecycle"}
+AIO_CONTRACT_MODULES = {
+    "test_offer",
+    "test_poll",
+    "test_transactions",
+    "test_held",
+    "test_errors",
+    "test_lifecycle",
+    "test_cancel",
+    "test_tags",
+}
 """Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
 AIO_SYNC_ONLY = {
     # Each builds sync engines of its own (connect_args, statement listeners) for the queue;
@@ -261,6 +270,8 @@ AIO_SYNC_ONLY = {
     "test_delayqs_own_transaction_is_retried_after_a_lock_timeout",
     "test_a_callers_transaction_gets_the_transient_error_unretried",
     "test_statement_listeners_see_every_statement_of_delayqs_own_operations",
+    # A sync transaction held open while another thread cancels (the async API's is test_a_cancel_in_the_callers_...).
+    "test_an_ack_that_commits_first_leaves_the_cancel_nothing_to_do",
 }
 
 

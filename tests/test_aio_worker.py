@@ -19,6 +19,7 @@ from conftest import Backend, make_async_engine
 from faults import FaultProxy
 
 from delayq import (
+    CancelOutcome,
     DeadLetter,
     DelayedQueue,
     InvalidInputError,
@@ -204,6 +205,33 @@ def test_an_offer_commit_wakes_the_async_listener(postgres: Backend, queue_name:
             q.offer(f"k{uuid.uuid4().hex}", 1)  # committed: notifies
             await asyncio.wait([first], timeout=0.5)
         assert first.result() == queue_name
+        await heard.aclose()
+        await engine.dispose()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_of_a_running_message_reaches_the_async_listener(postgres: Backend, queue_name: str) -> None:
+    """On the cancel channel, beside the wake-up one: the id after ``CANCELLED`` (psycopg's and asyncpg's)."""
+    from delayq.dialects import dialect_for
+    from delayq.dialects._pg_listen import CANCELLED
+
+    async def main() -> None:
+        engine = make_async_engine(postgres.url)
+        q = DelayedQueue(postgres.engine, queue_name, notify=False)  # offers wake no one: only cancels are heard
+        heard = dialect_for(postgres.engine).listen_async(engine, q.tables.messages.name, cancels=True)
+        first = asyncio.ensure_future(anext(heard))
+        await asyncio.sleep(0.2)  # let LISTEN begin: a notification before it is not delivered
+        ids = set()
+        while not first.done():
+            key = f"k{uuid.uuid4().hex}"
+            q.offer(key, 1)
+            d = q.try_poll()
+            assert d is not None
+            ids.add(CANCELLED + str(d.id))
+            assert q.cancel_job(key) is CancelOutcome.RUNNING  # committed: notifies its id
+            await asyncio.wait([first], timeout=0.5)
+        assert first.result() in ids
         await heard.aclose()
         await engine.dispose()
 

@@ -73,6 +73,40 @@ def test_show_reschedule_run_now_cancel(backend: Backend, filled: DelayedQueue) 
     assert filled.get("later") is None
 
 
+def test_cancel_says_which_it_did(backend: Backend, filled: DelayedQueue) -> None:
+    """ready-1 is held (its lock unexpired): running; later is queued; a third cancel finds nothing."""
+    running = cli(backend, "cancel", filled.name, "ready-1")
+    assert (
+        running.exit_code == 0
+        and running.output == f"{filled.name}: cancelled running message ready-1: its worker is told\n"
+    )
+    queued = cli(backend, "cancel", filled.name, "later")
+    assert queued.exit_code == 0 and queued.output == f"{filled.name}: cancelled queued message later\n"
+    gone = cli(backend, "cancel", filled.name, "later")
+    assert gone.exit_code == 2 and "no message 'later'" in gone.output
+
+
+def test_ls_and_stats_filter_by_tag(backend: Backend, queue_name: str) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([("a", 1, None, ["eu"]), ("b", 2, None, ["eu", "vip"]), ("c", 3, None, ["us"])])
+    assert cli(backend, "enqueue", queue_name, "d", "4").exit_code == 0
+    assert cli(backend, "enqueue", queue_name, "e", "5", "--in", "1h", "--tag", "vip", "--tag", "eu").exit_code == 0
+    message = q.get("e")
+    assert message is not None and message.tags == ("eu", "vip")
+    assert q.try_poll_many(10)[0].dead_letter("bad")  # a, the first due: a dead letter tagged eu
+    listed = json.loads(cli(backend, "ls", queue_name, "--tag", "eu", "--json").output)
+    assert [(m["key"], m["tags"]) for m in listed] == [("b", ["eu", "vip"]), ("e", ["eu", "vip"])]
+    dead = json.loads(cli(backend, "ls", queue_name, "--state", "dead", "--tag", "eu", "--json").output)
+    assert [m["key"] for m in dead] == ["a"]
+    assert "eu,vip" in cli(backend, "ls", queue_name).output  # a tags column, as some message has tags
+    [row] = json.loads(cli(backend, "stats", queue_name, "--tag", "eu", "--json").output)
+    assert (row["ready"], row["in_flight"], row["scheduled"], row["dead"]) == (0, 1, 1, 1)
+    [row] = json.loads(cli(backend, "stats", queue_name, "--tag", "none", "--json").output)
+    assert (row["ready"], row["in_flight"], row["dead"]) == (0, 0, 0)
+    bad = cli(backend, "stats", queue_name, "--tag", "EU")
+    assert bad.exit_code == 2 and "lowercase" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
 def test_dead_requeue_and_purge(backend: Backend, filled: DelayedQueue) -> None:
     declined = cli(backend, "dead", "requeue", filled.name, "--key", "dead-1", input="n\n")
     assert declined.exit_code == 1 and filled.stats().dead == 2

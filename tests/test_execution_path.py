@@ -49,6 +49,8 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_lifecycle_options",  # the runtime builds a handler's queue with its lifecycle attributes
         "_around",  # the async worker runs the core's queue through an AsyncDelayedQueue built around it
         "_wrap",
+        "_cancel",  # the worker tells a delivery its message was cancelled (or its lock lost): Delivery.cancelled
+        "_cancelled",  # the delivery log reads whether it was, without making the event (observe.outcome)
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",

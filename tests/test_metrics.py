@@ -92,6 +92,44 @@ def test_metrics_count_into_an_applications_own_registry(
     assert (got["delayq_scheduled"], got["delayq_ready"], got["delayq_dead"], got["delayq_in_flight"]) == (1, 0, 1, 0)
 
 
+@pytest.mark.parametrize("tag_labels", [False, True, ["eu"]])
+def test_tag_labels_are_only_there_when_asked(
+    engine: sa.Engine, queue_name: str, clock: ManualClock, tag_labels: Any
+) -> None:
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry()
+    handler = type("H", (Flaky,), {"queue": queue_name})()
+    worker = Worker(engine, [handler], clock=clock)
+    metrics = register(registry, worker.queues, tag_labels=tag_labels)
+    try:
+        q = worker.queues[0]
+        q.offer_many([("a", 1, None, ["eu", "vip"]), ("b", 2, None, ["eu", "vip"]), ("c", 3, None)])
+        worker.run_once()
+        text = generate_latest(registry).decode()
+    finally:
+        unregister(metrics, registry)
+    delivered = {
+        s.labels.get("tags"): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "delayq_delivered_total" and s.labels.get("queue") == queue_name
+    }
+    durations = {
+        s.labels.get("tags")
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "delayq_handler_duration_seconds_count" and s.labels.get("queue") == queue_name
+    }
+    expected = {
+        False: {None: 3},
+        True: {"eu,vip": 2, "": 1},
+        "list": {"eu": 2, "": 1},
+    }[tag_labels if isinstance(tag_labels, bool) else "list"]
+    assert delivered == expected
+    assert durations == set(expected)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

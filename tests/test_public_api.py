@@ -8,6 +8,7 @@ import delayq
 
 EXPECTED = {
     "BytesSerializer",
+    "CancelOutcome",
     "Clock",
     "CronService",
     "DeadLetter",
@@ -15,6 +16,7 @@ EXPECTED = {
     "DelayedQueue",
     "DelayqError",
     "Delivery",
+    "DeliveryCancelledError",
     "FlowState",
     "Handler",
     "InvalidInputError",

@@ -217,6 +217,22 @@ def test_filters_are_pushed_down_and_only_matching_rows_are_read(
     assert sum(s.rows for s in slices) == 10 and 1 <= len(parts) <= 4
 
 
+def test_the_tag_option_reads_only_the_messages_carrying_the_tag(
+    spark: SparkSession, backend: Backend, queue_name: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"k{i}", {"i": i}, None, ["eu"] if i % 3 == 0 else ["a_b"]) for i in range(12)])
+    assert q.try_poll_many(1)[0].dead_letter("bad")  # k0: a dead letter tagged eu
+    read = source(spark, backend, queue=queue_name, tag="eu").load()
+    assert sorted(r["key"] for r in read.select("key").collect()) == ["k3", "k6", "k9"]
+    dead = source(spark, backend, queue=queue_name, tag="eu", dead="true").load()
+    assert [r["key"] for r in dead.select("key").collect()] == ["k0"]
+    reader = DelayqReader(SourceOptions.parse({"url": backend.url, "queue": queue_name, "tag": "axb"}), MESSAGE_SCHEMA)
+    assert sum(p.value.rows for p in reader.partitions()) == 0  # "_" is no wildcard
+    with pytest.raises(Exception, match="option tag 'EU' must be"):
+        SourceOptions.parse({"url": backend.url, "queue": queue_name, "tag": "EU"})
+
+
 def make_schema_placeholder() -> Any:
     return MESSAGE_SCHEMA
 

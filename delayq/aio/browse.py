@@ -31,6 +31,7 @@ async def list_messages(
     limit: int = 100,
     after: tuple[int, int, str] | None = None,
     by_key: bool = False,
+    tag: str | None = None,
 ) -> list[StoredMessage]:
     """A queue's messages (or dead letters, with ``State.DEAD``), by due time, a keyset page at a time;
     see ``delayq.browse``."""
@@ -45,6 +46,7 @@ async def list_messages(
         limit=limit,
         after=after,
         by_key=by_key,
+        tag=tag,
     )
     return await conn.run_sync(view)
 

@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from delayq.clock import Clock, duration_ms
 from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError
 from delayq.history import AttemptRecord
-from delayq.messages import DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
+from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
 from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT
 from delayq.schema import DEFAULT_PREFIX
@@ -135,24 +136,34 @@ class AsyncDelayedQueue:
         priority: int = 0,
         group: str | None = None,
         unique_for: dt.timedelta | None = None,
+        tags: Iterable[str] | None = None,
         using: AsyncUsing = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists; see ``DelayedQueue.offer``."""
         return await self._run(
             using,
             lambda u: self.sync.offer(
-                key, payload, at, update=update, priority=priority, group=group, unique_for=unique_for, using=u
+                key,
+                payload,
+                at,
+                update=update,
+                priority=priority,
+                group=group,
+                unique_for=unique_for,
+                tags=tags,
+                using=u,
             ),
         )
 
     async def offer_many(
         self,
-        items: Iterable[tuple[str, Any, At]],
+        items: Iterable[tuple[str, Any, At] | tuple[str, Any, At, Iterable[str] | None]],
         *,
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
         unique_for: dt.timedelta | None = None,
+        tags: Iterable[str] | None = None,
         using: AsyncUsing = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; see ``DelayedQueue.offer_many``."""
@@ -160,7 +171,7 @@ class AsyncDelayedQueue:
         return await self._run(
             using,
             lambda u: self.sync.offer_many(
-                listed, update=update, priority=priority, group=group, unique_for=unique_for, using=u
+                listed, update=update, priority=priority, group=group, unique_for=unique_for, tags=tags, using=u
             ),
         )
 
@@ -341,16 +352,22 @@ class AsyncDelayedQueue:
         return asyncio.get_running_loop().create_task(listen())
 
     async def cancel(self, key: str, *, using: AsyncUsing = None) -> bool:
-        """Delete the message stored under ``key``; True when there was one."""
+        """Cancel the message stored under ``key``; True when there was one (see ``DelayedQueue.cancel``)."""
         return await self._run(using, lambda u: self.sync.cancel(key, using=u))
+
+    async def cancel_job(
+        self, key: str, *, keep_for: dt.timedelta | None = None, using: AsyncUsing = None
+    ) -> CancelOutcome:
+        """Cancel the message under ``key`` and say which it did; see ``DelayedQueue.cancel_job``."""
+        return await self._run(using, lambda u: self.sync.cancel_job(key, keep_for=keep_for, using=u))
 
     async def reschedule(self, key: str, at: At = None, *, using: AsyncUsing = None) -> bool:
         """Make the message under ``key`` due at ``at`` (clearing any lock); True when there was one."""
         return await self._run(using, lambda u: self.sync.reschedule(key, at, using=u))
 
-    async def stats(self, *, using: AsyncUsing = None) -> QueueStats:
-        """Counts of this queue's messages by state, and the age of the oldest due one."""
-        return await self._run(using, lambda u: self.sync.stats(using=u))
+    async def stats(self, *, tag: str | None = None, using: AsyncUsing = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one (see ``DelayedQueue.stats``)."""
+        return await self._run(using, lambda u: self.sync.stats(tag=tag, using=u))
 
     async def dead_letters(self, *, limit: int = 100, after_id: int = 0, using: AsyncUsing = None) -> list[DeadMessage]:
         """This queue's dead letters, oldest first; page with ``after_id``."""
@@ -463,6 +480,21 @@ class AsyncDelivery:
     def redelivered(self) -> bool:
         """True when an earlier delivery of this message was not acked."""
         return self.delivery.redelivered
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags its offer gave the message, sorted (read with the claim)."""
+        return self.delivery.tags
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once the message was cancelled or its lock lost (``Delivery.cancelled``); an ``AsyncWorker`` also
+        cancels the handler's task then."""
+        return self.delivery.cancelled
+
+    async def raise_if_cancelled(self) -> None:
+        """Raise ``DeliveryCancelledError`` when ``cancelled`` is set (``Delivery.raise_if_cancelled``)."""
+        self.delivery.raise_if_cancelled()
 
     @property
     def queue(self) -> str:

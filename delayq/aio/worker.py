@@ -182,6 +182,7 @@ class AsyncWorker:
         self._tasks: dict[int, asyncio.Task[None]] = {}  # handler tasks by id(job)
         self._in_handler: set[int] = set()  # id(job) of the handlers awaited now (only these are timed out)
         self._timed_out: set[int] = set()  # id(job) of the handlers cancelled at their timeout
+        self._lost: set[int] = set()  # id(job) of the handlers cancelled as their message was (or their lock lost)
         self._loop_tasks: dict[str, asyncio.Task[Any]] = {}
         self._nudge: asyncio.Event | None = None
         self._acks_due: asyncio.Event | None = None  # a handled delivery awaits its ack
@@ -361,6 +362,7 @@ class AsyncWorker:
             self._cancel_overdue()
             try:
                 ok = await self._call(self._core.beat)
+                self._cancel_lost()
             except Exception as exc:
                 log.warning("heartbeat: %s", describe(exc), exc_info=True)
                 ok = False
@@ -478,9 +480,12 @@ class AsyncWorker:
         wakes = self._core.wakes
         while True:
             try:
-                async for name in dialect_for(self.engine).listen_async(self.async_engine, self._core.channel):
+                listener = dialect_for(self.engine).listen_async(self.async_engine, self._core.channel, cancels=True)
+                async for name in listener:
                     errors = 0
-                    if wakes(name):
+                    if self._core.heard_cancel(name):
+                        self._cancel_lost()
+                    elif wakes(name):
                         self._poke()
             except Exception as exc:  # the listener must survive anything; polling goes on meanwhile
                 errors += 1
@@ -598,6 +603,15 @@ class AsyncWorker:
             overdue(label, time.monotonic() - job.started_at, timeout, cancelled=True)
             observe.count("overdue", counted_as)
             self._timed_out.add(id(job))
+            task.cancel()
+
+    def _cancel_lost(self) -> None:
+        """Cancel (once) each handler whose message was cancelled or whose lock was lost: nothing is recorded."""
+        for job in self._jobs.lost_running():
+            task = self._tasks.get(id(job))
+            if task is None or task.done() or id(job) not in self._in_handler:
+                continue  # (it returned: its outcome changes nothing, the lock being gone)
+            self._lost.add(id(job))
             task.cancel()
 
     def _start_queue_job(self, source: QueueSource, job: Job) -> None:
@@ -729,7 +743,10 @@ class AsyncWorker:
             await self._bounded(self._jobs.release, [job], "the handler's transaction could not begin")
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if id(job) in self._timed_out and task is not None and task.uncancel() == 0:
+            if id(job) in self._lost and task is not None and task.uncancel() == 0:
+                # Its message was cancelled (or its lock lost), and nothing else cancelled it: nothing to record.
+                log.info("%s: its handler was cancelled: the message was cancelled, or its lock lost", delivery.label)
+            elif id(job) in self._timed_out and task is not None and task.uncancel() == 0:
                 # Cancelled at its timeout, and by nothing else: a failed attempt, retried per the policy.
                 timeout = handler.timeout
                 assert timeout is not None
@@ -738,11 +755,15 @@ class AsyncWorker:
                 await self._bounded(self._jobs.release, [job], "its handler was cancelled")
                 raise
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-            await self._bounded(_record_failure, job, exc)
+            if job.lost:  # cancelled, or the lock lost: a retry or dead letter would change nothing
+                log.info("%s: failed after its lock was gone (%s); nothing recorded", delivery.label, describe(exc))
+            else:
+                await self._bounded(_record_failure, job, exc)
         finally:
             self._jobs.finish(job, to_ack)  # the ack follows, with others, from the ack task
             self._tasks.pop(id(job), None)
             self._timed_out.discard(id(job))
+            self._lost.discard(id(job))
             if to_ack and self._acks_due is not None:
                 self._acks_due.set()
             self._poke()

@@ -24,6 +24,7 @@ from delayq.cli._common import (
 )
 from delayq.cli._root import _noted, admin_queue, main, parse_duration, parse_time, unknown_queue_note
 from delayq.humanize import human, shorten
+from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import make_tables
 
@@ -35,6 +36,7 @@ PAYLOAD_SHOWN = 200
 @click.argument("queue")
 @click.option("--state", type=click.Choice([s.value for s in State]), help="Only messages in this state.")
 @click.option("--key-prefix", help="Only keys that start with this.")
+@click.option("--tag", help="Only messages (or dead letters) carrying this tag.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters).")
@@ -45,6 +47,7 @@ def ls(
     queue: str,
     state: str | None,
     key_prefix: str | None,
+    tag: str | None,
     limit: int,
     as_json: bool,
     full: bool,
@@ -66,8 +69,9 @@ def ls(
             now=now,
             key_prefix=key_prefix,
             limit=limit,
+            tag=tag,
         )
-        note = "" if found or as_json else unknown_queue_note(ctx, conn, queue)
+        note = "" if found or as_json or tag else unknown_queue_note(ctx, conn, queue)
     if note:
         click.echo(f"note: {note}", err=True)
     if as_json:
@@ -81,7 +85,8 @@ def ls(
     rows = [_row(m, now, full) for m in found]
     when = ["failed"] if dead_only else ["finished", "took"] if kept else ["due", "running"]
     extra = ["result"] if kept else []
-    emit(rows, False, ["key", "state", *when, "attempts", "last_error", "payload", *extra])
+    tagged = ["tags"] if any(m.tags for m in found) else []
+    emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload", *extra])
 
 
 def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
@@ -96,6 +101,7 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
         "running": "" if (ran := m.running_for(now)) is None else human(ran),
         "attempts": m.attempts,
         "last_error": m.last_error,
+        "tags": ",".join(m.tags),
         "payload": m.payload if full else shorten(m.payload, PAYLOAD_SHOWN),
     }
 
@@ -214,15 +220,25 @@ def _common_prefix(keys: list[str]) -> str:
 @click.pass_context
 @friendly
 def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
-    """Delete a message, or every message under --key-prefix.
+    """Cancel a message, or delete every message under --key-prefix.
 
-    With --key-prefix, the messages listed and confirmed are deleted in chunks of at most 1,000 (a DELETE
-    of a longer prefix each, with a progress bar on stderr); one offered under such a prefix meanwhile goes too.
+    A message whose handler runs is recorded as cancelled and its worker told (it stops, and what it does after
+    changes nothing); the line says which it was. With --key-prefix, the messages listed and confirmed are deleted
+    in chunks of at most 1,000 (a DELETE of a longer prefix each, with a progress bar on stderr); one offered under
+    such a prefix meanwhile goes too. Running ones go too, unrecorded: their workers learn it at their next heartbeat.
     """
     if (key is None) == (key_prefix is None):
         raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
     if key is not None:
-        _act(ctx, queue, key, lambda q: q.cancel(key), "cancelled")
+        with connect(ctx) as (engine, conn):
+            conn.rollback()  # hold nothing while the cancel runs on its own connection
+            outcome = admin_queue(engine, ctx, queue).cancel_job(key)
+            if not outcome:
+                raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
+        if outcome is CancelOutcome.RUNNING:
+            click.echo(f"{queue}: cancelled running message {key}: its worker is told")
+        else:
+            click.echo(f"{queue}: cancelled queued message {key}")
         return
     assert key_prefix is not None
     with connect(ctx) as (engine, conn):
@@ -253,6 +269,7 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
 @click.option("--update", is_flag=True, help="Replace a message already under KEY.")
 @click.option("--priority", default=0, show_default=True, help="Higher is claimed first (-1000 to 1000).")
 @click.option("--group", help="At most the queue's group concurrency (1) of one group run at once, in due order.")
+@click.option("--tag", "tags", multiple=True, help="A tag kept with the message (repeat for more).")
 @click.pass_context
 @friendly
 def enqueue(
@@ -265,6 +282,7 @@ def enqueue(
     update: bool,
     priority: int,
     group: str | None,
+    tags: tuple[str, ...],
 ) -> None:
     """Offer a message: PAYLOAD is JSON (a string needs its quotes: '"hello"'), @FILE for a file's, - for stdin's."""
     if at_text is not None and in_text is not None:
@@ -282,7 +300,7 @@ def enqueue(
     with connect(ctx) as (engine, conn):
         conn.rollback()
         q = DelayedQueue(engine, queue, table_prefix=ctx.obj["prefix"])
-        outcome = q.offer(key, value, at, update=update, priority=priority, group=group)
+        outcome = q.offer(key, value, at, update=update, priority=priority, group=group, tags=list(tags) or None)
     click.echo(f"{queue} {key}: {outcome.value}")
 
 

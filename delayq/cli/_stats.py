@@ -16,23 +16,29 @@ from delayq.errors import install_hint
 from delayq.humanize import human
 from delayq.queue import check_queue_name
 from delayq.schema import make_tables
+from delayq.tags import check_tag
 
 
 @main.command()
 @click.argument("queue", required=False)
+@click.option("--tag", help="Count only the messages (and dead letters) carrying this tag.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
 @click.option("--interval", default=2.0, show_default=True)
 @click.option("--times", default=0, hidden=True, help="With --watch: stop after this many refreshes.")
 @click.pass_context
 @friendly
-def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, interval: float, times: int) -> None:
+def stats(
+    ctx: click.Context, queue: str | None, tag: str | None, as_json: bool, watch: bool, interval: float, times: int
+) -> None:
     """Per queue: ready, scheduled, in flight, expired locks, dead, kept completed and cancelled messages
     (shown where there are some), age of the oldest due message, paused.
 
     Without QUEUE: every queue with messages, dead letters or a cron schedule (a drained queue with none of
-    them is not known; name it to see its zeros).
+    them is not known; name it to see its zeros). With --tag: the counts of the messages carrying the tag.
     """
+    if tag is not None:
+        check_tag(tag)
     shown = 0
     while True:
         with connect(ctx) as (engine, conn):
@@ -41,7 +47,7 @@ def stats(ctx: click.Context, queue: str | None, as_json: bool, watch: bool, int
             rows: list[dict[str, Any]] = []
             for name in names:
                 q = admin_queue(engine, ctx, name)
-                s, flow = q.stats(using=conn), q.flow(using=conn)
+                s, flow = q.stats(tag=tag, using=conn), q.flow(using=conn)
                 rows.append(
                     {
                         "queue": name,

@@ -11,3 +11,11 @@ LISTEN_PING_TIMEOUT = 5.0
 
 class ListenStalledError(Exception):
     """The LISTEN connection stopped delivering notifications; the caller reconnects."""
+
+
+CANCEL_SUFFIX = "_cancel"
+"""The cancel channel is the wake-up channel's name (the messages table's) with this suffix: its payload is the id
+of a message that ``DelayedQueue.cancel_job`` cancelled while locked."""
+CANCELLED = "\x00"
+"""What the listeners put before a cancel channel's payload when they yield it: NUL, which no queue name (the wake-up
+channel's payloads) holds."""

@@ -47,6 +47,8 @@ class ClaimedRow(NamedTuple):
     created_at: int
     scheduled_at_initially: int
     lock_token: str
+    tags: str | None = None
+    """Its tags as stored (``delayq.tags``), mostly NULL."""
 
 
 def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
@@ -167,6 +169,7 @@ class Statements(Memo):
                 headers=None,
                 priority=_bp("new_priority", sa.Integer),
                 group_key=_bp("new_group", sa.String),
+                tags=None,  # (the replacing offer sets its own, in its transaction)
             )
         )
         self.mark_claimed = (
@@ -207,38 +210,13 @@ class Statements(Memo):
             {c.name: sa.bindparam(c.name, type_=c.type) for c in dead.c if c is not dead.c.id}
         )
         self.delete_held = sa.delete(m).where(held)
-        self.cancel = sa.delete(m).where(by_key)
+        # A queued message: not locked, or its lock expired (one whose handler runs is cancelled in a transaction
+        # that records it: ``delayq.queue._cancel``).
+        self.cancel = sa.delete(m).where(by_key, sa.or_(m.c.lock_token.is_(None), m.c.scheduled_at <= now))
         self.reschedule = (
             sa.update(m).where(by_key).values(scheduled_at=due, scheduled_at_initially=due, lock_token=None)
         )
-        due_now = m.c.scheduled_at <= now
-        locked = m.c.lock_token.is_not(None)
-
-        def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
-            return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
-
-        dead_count = sa.select(sa.func.count()).select_from(dead).where(dead.c.queue == queue).scalar_subquery()
-        fin = tables.finished
-
-        def kept_count(state: int) -> sa.ScalarSelect[int]:  # finished.state: 1 completed, 2 cancelled
-            return (
-                sa.select(sa.func.count())
-                .select_from(fin)
-                .where(fin.c.queue == queue, fin.c.state == state)
-                .scalar_subquery()
-            )
-
-        self.stats = sa.select(
-            count(sa.and_(due_now, ~locked)).label("ready"),
-            count(sa.and_(~due_now, ~locked)).label("scheduled"),
-            count(sa.and_(~due_now, locked)).label("in_flight"),
-            count(sa.and_(due_now, locked)).label("expired_locks"),
-            dead_count.label("dead"),
-            kept_count(1).label("completed"),
-            kept_count(2).label("cancelled"),
-            sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
-            now.label("now"),
-        ).where(m.c.queue == queue)
+        self.stats = stats_statement(tables, now, tagged=False)
         self.next_due = sa.select(sa.func.min(m.c.scheduled_at).label("next_due"), now.label("now")).where(
             m.c.queue == queue
         )
@@ -372,12 +350,19 @@ class Dialect:
         """A statement that notifies ``channel`` with ``:queue_name`` on commit (where ``can_notify``)."""
         return None
 
-    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
-        """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``)."""
+    @classmethod
+    def notify_cancel_statement(cls, tables: Tables) -> sa.Executable | None:
+        """A statement that tells the worker holding message ``:msg_id`` that it was cancelled (on commit);
+        None where there are no notifications (the worker's heartbeat finds the lock gone instead)."""
+        return None
+
+    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event, cancels: bool = False) -> Iterator[str]:
+        """Yield the queue names notified on ``channel`` until ``stop`` is set (where ``can_notify``); with
+        ``cancels``, also the ids notified on its cancel channel, each after ``CANCELLED`` (``_pg_listen``)."""
         raise NotImplementedError(f"{self.name} has no notifications")
 
-    def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
-        """``listen`` for an ``AsyncEngine``: the queue names notified on ``channel`` (where ``can_notify``)."""
+    def listen_async(self, engine: AsyncEngine, channel: str, cancels: bool = False) -> AsyncIterator[str]:
+        """``listen`` for an ``AsyncEngine`` (where ``can_notify``)."""
         raise NotImplementedError(f"{self.name} has no notifications")
 
     # -- transactions ---------------------------------------------------------------------------
@@ -474,8 +459,10 @@ class Dialect:
         # Unpacked by position (the columns of ``candidate_rows``): a Row's attribute lookup costs
         # more than the rest of the row's handling.
         return [
-            ClaimedRow(msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token)
-            for msg_id, key, payload, payload_type, due, attempts, created, initially, _ in rows
+            ClaimedRow(
+                msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token, tags
+            )
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, _ in rows
         ]
 
     def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:
@@ -567,6 +554,7 @@ def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:
         m.c.attempts,
         m.c.created_at,
         m.c.scheduled_at_initially,
+        m.c.tags,
         stmts.now.label("now"),
     )
 
@@ -628,6 +616,44 @@ def prefix_bounds(prefix: str, name: str = "prefix") -> dict[str, str]:
     if 0xD800 <= following <= 0xDFFF:  # surrogates are no characters: the next one is U+E000
         following = 0xE000
     return {f"{name}_lo": prefix, f"{name}_hi": stem[:-1] + chr(following)}
+
+
+def stats_statement(tables: Tables, now: sa.ColumnElement[int], tagged: bool) -> sa.Select[Any]:
+    """Count a queue's messages by state, its dead letters and its kept finished messages, in one statement; with
+    ``tagged``, only those whose tags match the LIKE pattern ``:tag_pattern`` (``delayq.tags.tag_pattern``,
+    escaped with ``!``)."""
+    m, dead = tables.messages, tables.dead_letters
+    queue = _bp("queue_name", sa.String)
+    due_now = m.c.scheduled_at <= now
+    locked = m.c.lock_token.is_not(None)
+
+    def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
+
+    fin = tables.finished
+    dead_where = [dead.c.queue == queue]
+    live_where = [m.c.queue == queue]
+    fin_where = [fin.c.queue == queue]
+    if tagged:
+        dead_where.append(dead.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+        live_where.append(m.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+        fin_where.append(fin.c.tags.like(_bp("tag_pattern", sa.String), escape="!"))
+    dead_count = sa.select(sa.func.count()).select_from(dead).where(*dead_where).scalar_subquery()
+
+    def kept_count(state: int) -> sa.ScalarSelect[int]:  # finished.state: 1 completed, 2 cancelled
+        return sa.select(sa.func.count()).select_from(fin).where(*fin_where, fin.c.state == state).scalar_subquery()
+
+    return sa.select(
+        count(sa.and_(due_now, ~locked)).label("ready"),
+        count(sa.and_(~due_now, ~locked)).label("scheduled"),
+        count(sa.and_(~due_now, locked)).label("in_flight"),
+        count(sa.and_(due_now, locked)).label("expired_locks"),
+        dead_count.label("dead"),
+        kept_count(1).label("completed"),
+        kept_count(2).label("cancelled"),
+        sa.func.min(sa.case((due_now, m.c.scheduled_at), else_=None)).label("oldest_due"),
+        now.label("now"),
+    ).where(*live_where)
 
 
 def purge_dead_statement(dialect: Dialect, tables: Tables, key: bool, key_prefix: bool) -> sa.Delete:

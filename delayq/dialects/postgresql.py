@@ -15,6 +15,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeDecorator
 
 from delayq.dialects import bounds
+from delayq.dialects._pg_listen import CANCEL_SUFFIX as CANCEL_SUFFIX
+from delayq.dialects._pg_listen import CANCELLED as CANCELLED
 from delayq.dialects._pg_listen import LISTEN_PING_AFTER as LISTEN_PING_AFTER
 from delayq.dialects._pg_listen import LISTEN_PING_TIMEOUT as LISTEN_PING_TIMEOUT
 from delayq.dialects._pg_listen import PING as PING
@@ -124,12 +126,18 @@ class PostgresDialect(Dialect):
     def notify_channel(self, channel: str) -> sa.Executable:
         return sa.select(sa.func.pg_notify(channel, sa.bindparam("queue_name", type_=sa.String)))
 
-    def listen_async(self, engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+    @classmethod
+    def notify_cancel_statement(cls, tables: Tables) -> sa.Executable:
+        # A channel of its own (not the wake-up one, whose payload is a queue name): a worker listens on both.
+        channel = tables.messages.name + CANCEL_SUFFIX
+        return sa.select(sa.func.pg_notify(channel, sa.cast(sa.bindparam("msg_id", type_=sa.BigInteger), sa.Text)))
+
+    def listen_async(self, engine: AsyncEngine, channel: str, cancels: bool = False) -> AsyncIterator[str]:
         from delayq.dialects.postgresql_async import notifications
 
-        return notifications(engine, channel)
+        return notifications(engine, channel, cancels)
 
-    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event) -> Iterator[str]:
+    def listen(self, engine: sa.Engine, channel: str, stop: threading.Event, cancels: bool = False) -> Iterator[str]:
         from psycopg import sql as psycopg_sql
 
         # A connection of the engine's own making (its connect_args, do_connect handlers, SSL,
@@ -142,12 +150,16 @@ class PostgresDialect(Dialect):
             conn.rollback()
             conn.autocommit = True
             conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+            if cancels:
+                conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel + CANCEL_SUFFIX)))
             bounds.disarm(conn)
             heard, pinged, pinger = time.monotonic(), None, None
             while not stop.is_set():
                 for notice in conn.notifies(timeout=0.5):
                     heard, pinged, pinger = time.monotonic(), None, None
-                    if notice.payload != PING:
+                    if notice.channel != channel:
+                        yield CANCELLED + notice.payload
+                    elif notice.payload != PING:
                         yield notice.payload
                 # A half-open connection (a peer gone without a FIN) delivers nothing and raises
                 # nothing: after a quiet spell, notify ourselves through another connection and
@@ -467,6 +479,7 @@ def _claim_statement(stmts: Statements, limit: int, level: Level = "") -> sa.Upd
             m.c.created_at,
             m.c.scheduled_at_initially,
             m.c.lock_token,
+            m.c.tags,
         )
     )
 

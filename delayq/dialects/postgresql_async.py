@@ -17,19 +17,34 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from delayq.dialects._pg_listen import LISTEN_PING_AFTER, LISTEN_PING_TIMEOUT, PING, ListenStalledError
+from delayq.dialects._pg_listen import (
+    CANCEL_SUFFIX,
+    CANCELLED,
+    LISTEN_PING_AFTER,
+    LISTEN_PING_TIMEOUT,
+    PING,
+    ListenStalledError,
+)
 
 __all__ = ["notifications"]
 
 
-def notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
-    """Yield the queue names notified on ``channel``, until cancelled or the connection fails."""
+def notifications(engine: AsyncEngine, channel: str, cancels: bool = False) -> AsyncIterator[str]:
+    """Yield the queue names notified on ``channel``, until cancelled or the connection fails; with ``cancels``
+    also the ids notified on its cancel channel, each after ``CANCELLED``."""
     if engine.dialect.driver == "asyncpg":
-        return _asyncpg_notifications(engine, channel)
-    return _psycopg_notifications(engine, channel)
+        return _asyncpg_notifications(engine, channel, cancels)
+    return _psycopg_notifications(engine, channel, cancels)
 
 
-async def _psycopg_notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+def _heard(channel: str, notice_channel: str, payload: str) -> str | None:
+    """What a notification yields: a queue name, ``CANCELLED`` + an id, or None (the listener's own test)."""
+    if notice_channel != channel:
+        return CANCELLED + payload
+    return None if payload == PING else payload
+
+
+async def _psycopg_notifications(engine: AsyncEngine, channel: str, cancels: bool) -> AsyncIterator[str]:
     from psycopg import sql as psycopg_sql
 
     pooled = await engine.raw_connection()
@@ -39,19 +54,21 @@ async def _psycopg_notifications(engine: AsyncEngine, channel: str) -> AsyncIter
         await conn.rollback()
         await conn.set_autocommit(True)
         await conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel)))
+        if cancels:
+            await conn.execute(psycopg_sql.SQL("LISTEN {}").format(psycopg_sql.Identifier(channel + CANCEL_SUFFIX)))
         while True:
             heard = False
             async for notice in conn.notifies(timeout=LISTEN_PING_AFTER):
                 heard = True
-                if notice.payload != PING:
-                    yield notice.payload
+                if (said := _heard(channel, notice.channel, notice.payload)) is not None:
+                    yield said
             if heard:
                 continue
             ping = asyncio.create_task(_ping(engine, channel))
             async for notice in conn.notifies(timeout=LISTEN_PING_TIMEOUT, stop_after=1):
                 heard = True
-                if notice.payload != PING:
-                    yield notice.payload
+                if (said := _heard(channel, notice.channel, notice.payload)) is not None:
+                    yield said
             ping.cancel()
             if not heard:
                 raise ListenStalledError(
@@ -74,7 +91,7 @@ async def _ping(engine: AsyncEngine, channel: str) -> None:
 _CLOSED = object()
 
 
-async def _asyncpg_notifications(engine: AsyncEngine, channel: str) -> AsyncIterator[str]:
+async def _asyncpg_notifications(engine: AsyncEngine, channel: str, cancels: bool) -> AsyncIterator[str]:
     """``_psycopg_notifications`` on asyncpg, which hands notifications to a callback (``add_listener``):
     the callback feeds a queue, read with the same self-check after a quiet spell. A connection that
     closes ends the iteration with ``ListenStalledError`` at once (asyncpg's termination callback)."""
@@ -83,8 +100,9 @@ async def _asyncpg_notifications(engine: AsyncEngine, channel: str) -> AsyncIter
     pooled.detach()
     heard: asyncio.Queue[object] = asyncio.Queue()
 
-    def on_notification(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        heard.put_nowait(payload)
+    def on_notification(_conn: Any, _pid: int, notice_channel: str, payload: str) -> None:
+        said = _heard(channel, notice_channel, payload)
+        heard.put_nowait(PING if said is None else said)
 
     def on_close(_conn: Any) -> None:
         heard.put_nowait(_CLOSED)
@@ -92,6 +110,8 @@ async def _asyncpg_notifications(engine: AsyncEngine, channel: str) -> AsyncIter
     try:
         conn.add_termination_listener(on_close)
         await conn.add_listener(channel, on_notification)  # LISTEN, the channel quoted by asyncpg
+        if cancels:
+            await conn.add_listener(channel + CANCEL_SUFFIX, on_notification)
         while True:
             try:
                 payload = await asyncio.wait_for(heard.get(), LISTEN_PING_AFTER)

@@ -473,6 +473,7 @@ class _Claims(_Flow):
                     at(row.locked_until),
                     row.lock_token,
                     self,
+                    _tags=row.tags,
                 )
             )
         if dead:

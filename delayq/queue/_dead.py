@@ -15,6 +15,7 @@ from delayq.messages import DeadMessage
 from delayq.queue._base import _QueueBase
 from delayq.queue._checks import check_key, check_prefix
 from delayq.queue._history import statements as history_sql
+from delayq.tags import decode_tags
 from delayq.transactions import Using
 
 
@@ -38,6 +39,7 @@ class _DeadLetters(_QueueBase):
                     last_error=r.last_error,
                     failed_at=from_ms(r.failed_at),
                     attempt_history=history.parse(r.attempt_history),
+                    tags=decode_tags(r.tags),
                 )
                 for r in rows
             ]
@@ -47,7 +49,7 @@ class _DeadLetters(_QueueBase):
     def requeue_dead(self, key: str, *, using: Using = None) -> bool:
         """Move the newest dead letter under ``key`` back into the queue, due now.
 
-        It keeps its ``last_error`` and attempt history (earlier attempts stay numbered as they
+        It keeps its ``last_error``, tags and attempt history (earlier attempts stay numbered as they
         were); its ``attempts`` count starts afresh, so it gets its handler's whole retry budget
         again. False when there is none, or when a live message already holds the key (it stays dead).
         """
@@ -60,8 +62,14 @@ class _DeadLetters(_QueueBase):
                 conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
             ):
                 return False
-            if row.last_error is not None or row.attempt_history is not None or row.headers is not None:
-                restore = {**params, "error": row.last_error, "history": row.attempt_history, "headers": row.headers}
+            if row.last_error is not None or row.attempt_history is not None or row.headers is not None or row.tags:
+                restore = {
+                    **params,
+                    "error": row.last_error,
+                    "history": row.attempt_history,
+                    "headers": row.headers,
+                    "tags": row.tags,
+                }
                 conn.execute(stmts.memo(history_sql).restore_requeued, restore)
             conn.execute(stmts.dead_delete, {"dead_id": row.id})
             return True

@@ -1,4 +1,4 @@
-"""The queue's statements that read or write a message's attempt history and headers (any backend).
+"""The queue's statements that read or write a message's attempt history, headers and tags (any backend).
 
 Built once per table set and clock mode, through ``Statements.memo``: ``stmts.memo(statements).get``.
 """
@@ -26,6 +26,7 @@ class HistoryStatements:
     history_of: sa.Select[Any]
     headers_of: sa.Select[Any]
     set_headers: sa.Update
+    set_tags: sa.Update
 
 
 def statements(stmts: Statements) -> HistoryStatements:
@@ -45,6 +46,7 @@ def statements(stmts: Statements) -> HistoryStatements:
         dead.c.attempt_history,
         dead.c.headers,
         dead.c.failed_at,
+        dead.c.tags,
     )
     return HistoryStatements(
         select_held=sa.select(
@@ -81,6 +83,7 @@ def statements(stmts: Statements) -> HistoryStatements:
             m.c.last_error,
             m.c.lock_token,
             m.c.attempt_history,
+            m.c.tags,
             now.label("now"),
         ).where(by_key),
         dead_latest=sa.select(*dead_cols)
@@ -98,12 +101,16 @@ def statements(stmts: Statements) -> HistoryStatements:
             last_error=sa.bindparam("error", type_=sa.Text),
             attempt_history=_str("history", sa.Text),
             headers=_str("headers", sa.Text),
+            tags=_str("tags", sa.Text),
         ),
         history_of=sa.select(m.c.attempt_history).where(by_key),
         headers_of=sa.select(m.c.headers).where(by_key),
         set_headers=sa.update(m)
         .where(m.c.queue == _str("queue_name"), m.c.key.in_(sa.bindparam("keys", expanding=True)))
         .values(headers=_str("headers", sa.Text)),
+        set_tags=sa.update(m)
+        .where(m.c.queue == _str("queue_name"), m.c.key.in_(sa.bindparam("keys", expanding=True)))
+        .values(tags=_str("tags", sa.Text)),
     )
 
 

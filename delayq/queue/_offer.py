@@ -17,6 +17,7 @@ from delayq.queue._flow import _Flow, check_group, check_priority
 from delayq.queue._history import statements as history_sql
 from delayq.queue._lifecycle import check_unique_for, lifecycle_sql
 from delayq.serializers import encode
+from delayq.tags import encode_tags
 from delayq.transactions import Using
 
 OFFER_CHUNK = 500
@@ -39,6 +40,7 @@ class _Offers(_Flow):
         priority: int = 0,
         group: str | None = None,
         unique_for: dt.timedelta | None = None,
+        tags: Iterable[str] | None = None,
         using: Using = None,
     ) -> OfferOutcome:
         """Store a message due at ``at`` unless one with this key exists in the queue.
@@ -52,6 +54,9 @@ class _Offers(_Flow):
         first (docs/workers.md, "Priorities"); a replacement sets it too.
         ``group``: at most ``set_group_concurrency`` (1 by default) messages of one group are held at once,
         the earliest due first (docs/workers.md, "Groups"); a replacement sets it too (None: no group).
+        ``tags``: up to ``delayq.tags.MAX_TAGS`` labels (lowercase letters, digits, ``- _ . : /``) kept with the
+        message, its dead letter and its finished row; ``ls --tag`` and ``stats --tag`` filter on them (docs/workers.md,
+        "Tags"); a replacement sets them too (None: none).
         ``unique_for`` (default: the queue's ``unique_for``): also ``IGNORED`` while a message under this key
         completed less than this long ago (kept: docs/lifecycle.md); ``update=True`` does not replace those.
         """
@@ -59,6 +64,7 @@ class _Offers(_Flow):
         params = self._offer_params(key, payload, at)
         params["offer_priority"] = check_priority(priority)
         params["offer_group"] = check_group(group)
+        stored_tags = encode_tags(tags)
         with observe.offering(self.name, 1) as headers:  # tracing's span, and its context to store
 
             def op(conn: Connection, dialect: Dialect) -> OfferOutcome:
@@ -70,6 +76,8 @@ class _Offers(_Flow):
                     outcome = outcome if kept else OfferOutcome.IGNORED
                 if headers and outcome is not OfferOutcome.IGNORED:
                     self._store_headers(conn, dialect, [params["msg_key"]], headers)
+                if stored_tags is not None and outcome is not OfferOutcome.IGNORED:
+                    self._store_tags(conn, dialect, [params["msg_key"]], stored_tags)
                 if outcome is not OfferOutcome.IGNORED:  # (a replacement set them: only the queue's mark)
                     created = [params["msg_key"]] if outcome is OfferOutcome.CREATED else []
                     if priority:
@@ -78,7 +86,9 @@ class _Offers(_Flow):
                         self._set_groups(conn, dialect, created, group)
                 return outcome
 
-            simple = not (update or headers or priority or group is not None or unique_ms is not None)
+            simple = not (
+                update or headers or priority or group is not None or unique_ms is not None or stored_tags is not None
+            )
             outcome = self._runner.run(using, op, "statement" if simple else "transaction")
         self._priorities_set(priority, using)
         self._groups_set(group, using)
@@ -87,28 +97,41 @@ class _Offers(_Flow):
 
     def offer_many(
         self,
-        items: Iterable[tuple[str, Any, At]],
+        items: Iterable[tuple[str, Any, At] | tuple[str, Any, At, Iterable[str] | None]],
         *,
         update: bool = False,
         priority: int = 0,
         group: str | None = None,
         unique_for: dt.timedelta | None = None,
+        tags: Iterable[str] | None = None,
         using: Using = None,
     ) -> list[OfferOutcome]:
         """Offer ``(key, payload, at)`` items in multi-row statements; one outcome per item, in order.
 
         All items are validated first: a bad one raises before anything is written. A key
         that repeats within the batch is offered again after the first (so it is ``IGNORED``,
-        or ``UPDATED`` with ``update=True``). ``priority``, ``group``, ``unique_for``: every item's (see ``offer``).
+        or ``UPDATED`` with ``update=True``). ``priority``, ``group``, ``unique_for``, ``tags``: every item's (see
+        ``offer``); an item ``(key, payload, at, tags)`` carries its own tags instead.
         """
         unique_ms = self._unique_ms(unique_for)
         check_priority(priority)
         check_group(group)
-        prepared = [self._item(key, payload, at) for key, payload, at in items]
+        shared_tags = encode_tags(tags)
+        prepared: list[_Item] = []
+        item_tags: list[str | None] = []
+        for item in items:
+            if len(item) == 4:
+                key, payload, at, own = item
+                item_tags.append(encode_tags(own))
+            else:
+                key, payload, at = item
+                item_tags.append(shared_tags)
+            prepared.append(self._item(key, payload, at))
         if not prepared:
             return []
+        tagged = item_tags if any(t is not None for t in item_tags) else None
         with observe.offering(self.name, len(prepared)) as headers:
-            found = self._offer_prepared(prepared, update, headers, using, priority, group, unique_ms)
+            found = self._offer_prepared(prepared, update, headers, using, priority, group, unique_ms, tagged)
         self._priorities_set(priority, using)
         self._groups_set(group, using)
         observe.count("offered", self.name, sum(o is not OfferOutcome.IGNORED for o in found))
@@ -119,6 +142,11 @@ class _Offers(_Flow):
         stmt = self._statements(dialect).memo(history_sql).set_headers
         conn.execute(stmt, {"queue_name": self.name, "keys": keys, "headers": history.dump_headers(headers)})
 
+    def _store_tags(self, conn: Connection, dialect: Dialect, keys: list[str], stored: str | None) -> None:
+        """Set the tags (their stored form) of the messages just offered under ``keys``."""
+        stmt = self._statements(dialect).memo(history_sql).set_tags
+        conn.execute(stmt, {"queue_name": self.name, "keys": keys, "tags": stored})
+
     def _offer_prepared(
         self,
         prepared: list[_Item],
@@ -128,6 +156,7 @@ class _Offers(_Flow):
         priority: int = 0,
         group: str | None = None,
         unique_ms: int | None = None,
+        item_tags: list[str | None] | None = None,
     ) -> list[OfferOutcome]:
         def op(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self._statements(dialect)
@@ -172,6 +201,14 @@ class _Offers(_Flow):
                 done = [key for key, o in zip(keys, outcomes, strict=True) if o is not OfferOutcome.IGNORED]
                 for start in range(0, len(done), OFFER_CHUNK):
                     self._store_headers(conn, dialect, done[start : start + OFFER_CHUNK], headers)
+            if item_tags is not None:  # one UPDATE per distinct set of tags (and chunk) among the stored items
+                by_tags: dict[str | None, list[str]] = {}
+                for key, o, stored in zip(keys, outcomes, item_tags, strict=True):
+                    if o is not OfferOutcome.IGNORED and stored is not None:
+                        by_tags.setdefault(stored, []).append(key)
+                for stored, tagged_keys in by_tags.items():
+                    for start in range(0, len(tagged_keys), OFFER_CHUNK):
+                        self._store_tags(conn, dialect, tagged_keys[start : start + OFFER_CHUNK], stored)
             if (priority or group is not None) and any(o is not OfferOutcome.IGNORED for o in outcomes):
                 # the created ones (a replacement set them), and the queue's mark
                 new_keys = [key for key, o in zip(keys, outcomes, strict=True) if o is OfferOutcome.CREATED]

@@ -1,4 +1,5 @@
-"""The operations on queued messages: read one, cancel, reschedule, count, cancel or coalesce a key prefix."""
+"""The operations on queued messages: read one, cancel (``delayq.queue._cancel``), reschedule, count, cancel or
+coalesce a key prefix."""
 
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ from delayq.dialects.base import (
     cancel_prefix_statement,
     coalesce_statements,
     prefix_bounds,
+    stats_statement,
 )
 from delayq.errors import InvalidInputError
-from delayq.messages import Message, QueueStats
+from delayq.messages import CancelOutcome, Message, QueueStats
+from delayq.queue import _cancel as cancel_sql
 from delayq.queue._base import _QueueBase
+from delayq.queue._cancel import DEFAULT_CANCELLED_RETENTION
 from delayq.queue._checks import At, _due, check_key, check_prefix
 from delayq.queue._history import statements as history_sql
 from delayq.queue._lifecycle import STATE_NAMES, lifecycle_sql
+from delayq.queue._tokens import claimed_at
+from delayq.tags import decode_tags, tag_pattern
 from delayq.transactions import Using
 
 
@@ -59,6 +65,7 @@ class _Queued(_QueueBase):
                 last_error=row.last_error,
                 locked=row.lock_token is not None,
                 attempt_history=history.parse(row.attempt_history),
+                tags=decode_tags(row.tags),
                 state=state,
             )
 
@@ -85,6 +92,7 @@ class _Queued(_QueueBase):
                 attempt_history=history.parse(dead.attempt_history),
                 state="dead",
                 finished_at=at,
+                tags=decode_tags(dead.tags),
             )
         if fin is None:
             return None
@@ -105,6 +113,7 @@ class _Queued(_QueueBase):
             result=result,
             duration=None if fin.duration_ms is None else dt.timedelta(milliseconds=fin.duration_ms),
             finished_at=from_ms(fin.finished_at),
+            tags=decode_tags(fin.tags),
         )
 
     def wait(self, key: str, timeout: dt.timedelta, *, using: Using = None) -> Message | None:
@@ -139,13 +148,66 @@ class _Queued(_QueueBase):
                 woken.close()
 
     def cancel(self, key: str, *, using: Using = None) -> bool:
-        """Delete the message stored under ``key``; True when there was one."""
-        params = {"queue_name": self.name, "msg_key": check_key(key)}
+        """Cancel the message stored under ``key``; True when there was one (``cancel_job`` says which it did).
 
-        def op(conn: Connection, dialect: Dialect) -> bool:
+        A message whose handler runs is recorded as cancelled and its worker told; see ``cancel_job``.
+        """
+        return bool(self.cancel_job(key, using=using))
+
+    def cancel_job(self, key: str, *, keep_for: dt.timedelta | None = None, using: Using = None) -> CancelOutcome:
+        """Cancel the message stored under ``key``, and say which it did (``CancelOutcome``, true when it did).
+
+        A queued message (not locked, or its lock expired) is deleted: ``QUEUED``. A message whose handler runs
+        (locked, the lock unexpired) is deleted and recorded in the finished messages as cancelled, for
+        ``keep_for`` (the queue's retention, else ``DEFAULT_CANCELLED_RETENTION``, 7 days), in one transaction:
+        ``RUNNING``. Its worker is told (PostgreSQL: by NOTIFY when the transaction commits; elsewhere: its next
+        heartbeat finds the lock gone): an asyncio handler's task is cancelled, a thread handler's
+        ``delivery.cancelled`` is set; whatever it does after changes nothing, and the message never runs again.
+        ``NOT_FOUND``: no message under ``key`` (an ack that committed first leaves none).
+        """
+        params = {"queue_name": self.name, "msg_key": check_key(key), **self._now_param()}
+        keep_ms = None if keep_for is None else duration_ms(keep_for, "keep_for")
+        if keep_ms is not None and keep_ms < 0:
+            raise InvalidInputError("keep_for must not be negative")
+        keeps = self._keeps_cancelled()
+
+        def fast(conn: Connection, dialect: Dialect) -> bool:
             return bool(conn.execute(self._statements(dialect).cancel, params).rowcount == 1)
 
-        return self._runner.run(using, op, "statement")
+        def held(conn: Connection, dialect: Dialect) -> CancelOutcome:
+            cs = self._statements(dialect).memo(cancel_sql.statements)
+            row = conn.execute(cs.lock_by_key, params).first()
+            if row is None:
+                return CancelOutcome.NOT_FOUND
+            running = row.lock_token is not None and int(row.scheduled_at) > int(row.now)
+            if running or keeps:
+                claimed = claimed_at(row.lock_token) if running else None
+                took = None if claimed is None else max(0, int(row.now) - to_ms(claimed))
+                kept = self._cancelled_retention_ms() if keep_ms is None else keep_ms
+                finished = cancel_sql.finished_row(row, cancel_sql.FINISHED_CANCELLED, kept, took)
+                conn.execute(cs.insert_finished, finished)
+                ls = lifecycle_sql(self._statements(dialect), dialect)
+                if ls.notify is not None and self.notify:  # (``wait(key)`` hears it finished)
+                    conn.execute(ls.notify, {"queue_name": self.name})
+            conn.execute(cs.delete_id, {"msg_id": row.id})
+            if row.lock_token is not None and cs.notify is not None:  # (an expired lock's handler may run still)
+                conn.execute(cs.notify, {"msg_id": row.id})
+            return CancelOutcome.RUNNING if running else CancelOutcome.QUEUED
+
+        if not keeps and self._runner.run(using, fast, "statement"):
+            return CancelOutcome.QUEUED
+        return self._runner.run(using, held, "transaction")
+
+    def _keeps_cancelled(self) -> bool:
+        """Whether a cancelled queued message is recorded too: the queue keeps a history (``retention``)."""
+        return self.lifecycle.keeps
+
+    def _cancelled_retention_ms(self) -> int:
+        """How long a cancelled message's finished row is kept: the queue's ``retention`` when it keeps a history,
+        else ``DEFAULT_CANCELLED_RETENTION``."""
+        if self.lifecycle.keeps:
+            return self.lifecycle.retention_ms
+        return int(DEFAULT_CANCELLED_RETENTION.total_seconds() * 1000)
 
     def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
         """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).
@@ -166,12 +228,17 @@ class _Queued(_QueueBase):
 
         return self._runner.run(using, op, "statement")
 
-    def stats(self, *, using: Using = None) -> QueueStats:
-        """Counts of this queue's messages by state, and the age of the oldest due one."""
+    def stats(self, *, tag: str | None = None, using: Using = None) -> QueueStats:
+        """Counts of this queue's messages by state, and the age of the oldest due one; with ``tag``, of the
+        messages (and dead letters) carrying that tag only (a filter over the queue's rows: no index serves it)."""
         params = {"queue_name": self.name, **self._now_param()}
+        if tag is not None:
+            params["tag_pattern"] = tag_pattern(tag)
 
         def op(conn: Connection, dialect: Dialect) -> QueueStats:
-            r = conn.execute(self._statements(dialect).stats, params).one()
+            stmts = self._statements(dialect)
+            stmt = stmts.stats if tag is None else stmts.memo(_tagged_stats)
+            r = conn.execute(stmt, params).one()
             age = None if r.oldest_due is None else dt.timedelta(milliseconds=int(r.now) - int(r.oldest_due))
             return QueueStats(
                 ready=int(r.ready),
@@ -254,6 +321,10 @@ class _Queued(_QueueBase):
         if not ids:
             return 0
         return int(conn.execute(self._statements(dialect_for(self.engine)).delete_ids, {"ids": ids}).rowcount)
+
+
+def _tagged_stats(stmts: Statements) -> sa.Select[Any]:
+    return stats_statement(stmts.tables, stmts.now, tagged=True)
 
 
 def _keys_between(stmts: Statements) -> sa.Select[Any]:

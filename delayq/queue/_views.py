@@ -75,10 +75,12 @@ def _rows(
     by_key: bool,
     paged: bool = False,
     key_order: bool = False,
+    by_tag: bool = False,
 ) -> sa.Select[Any]:
     """The listing's statement. Live messages go by due time, or, with ``key_order``, by key (under a key
     prefix, a range of the (queue, key) index: the first page of a prefix costs its rows, not a walk of the
-    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor."""
+    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor;
+    ``by_tag``: only the rows whose tags match ``:tag_pattern``."""
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
@@ -92,6 +94,7 @@ def _rows(
             t.c.failed_at,
             sa.null().label("scheduled_at"),
             sa.null().label("lock_token"),
+            t.c.tags,
             *_not_finished(),
         ).order_by(t.c.id)
         if paged:
@@ -109,6 +112,7 @@ def _rows(
             sa.null().label("failed_at"),
             t.c.scheduled_at,
             t.c.lock_token,
+            t.c.tags,
             *_not_finished(),
         )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
@@ -134,6 +138,8 @@ def _rows(
         stmt = stmt.where(stmts.starts_with(t.c.key))
     if by_key:
         stmt = stmt.where(t.c.key == sa.bindparam("msg_key"))
+    if by_tag:  # (``delayq.tags.tag_pattern``: ``_`` escaped with ``!``)
+        stmt = stmt.where(t.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
     return stmt
 
 
@@ -146,7 +152,9 @@ def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
     return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
 
 
-def _kept_rows(stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool) -> sa.Select[Any]:
+def _kept_rows(
+    stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool, by_tag: bool = False
+) -> sa.Select[Any]:
     """The listing of a queue's kept finished messages in one state, by id (the order they finished in)."""
     f = stmts.tables.finished
     no = sa.null()
@@ -162,6 +170,7 @@ def _kept_rows(stmts: Statements, kept: int, by_prefix: bool, by_key: bool, page
             no.label("failed_at"),
             no.label("scheduled_at"),
             no.label("lock_token"),
+            f.c.tags,
             f.c.finished_at,
             f.c.duration_ms,
             f.c.result,
@@ -177,6 +186,8 @@ def _kept_rows(stmts: Statements, kept: int, by_prefix: bool, by_key: bool, page
         stmt = stmt.where(stmts.starts_with(f.c.key))
     if by_key:
         stmt = stmt.where(f.c.key == sa.bindparam("msg_key"))
+    if by_tag:
+        stmt = stmt.where(f.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
     return stmt
 
 
@@ -193,32 +204,46 @@ def list_rows(
     limit: int,
     after: tuple[int, int, str] | None = None,
     key_order: bool = False,
+    tag_pattern: str | None = None,
 ) -> Sequence[Row[Any]]:
     """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time (with
     ``key_order``: by key); or, with ``dead``, its dead letters by id. Columns: id, key, payload_type,
     payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token (NULL where they do
-    not apply).
+    not apply), tags.
 
     ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
     (only what the listing's order compares counts: the id of a dead letter, the key in key order).
     With a state of ``KEPT_STATES``: the kept finished messages in it, by id, with their finished_at,
-    duration_ms, result and result_type (NULL for the others)."""
+    duration_ms, result and result_type (NULL for the others). With ``tag_pattern``
+    (``delayq.tags.tag_pattern``): only those carrying the tag."""
     if state in KEPT_STATES:
-        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None)
+        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None, tag_pattern is not None)
         kept_params: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
         if after is not None:
             kept_params["after_id"] = after[1]
         if key_prefix:
             kept_params.update(prefix_bounds(key_prefix))
+        if tag_pattern is not None:
+            kept_params["tag_pattern"] = tag_pattern
         return conn.execute(_stmts(conn, tables).memo(_kept_rows, *kept_shape), kept_params).all()
     if state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (dead, None if dead else state, bool(key_prefix), key is not None, after is not None, key_order)
+    shape = (
+        dead,
+        None if dead else state,
+        bool(key_prefix),
+        key is not None,
+        after is not None,
+        key_order,
+        tag_pattern is not None,
+    )
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
     if after is not None:
         params.update(after_at=after[0], after_id=after[1], after_key=after[2])
     if key_prefix:
         params.update(prefix_bounds(key_prefix))
+    if tag_pattern is not None:
+        params["tag_pattern"] = tag_pattern
     return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
 
 

@@ -37,7 +37,8 @@ from delayq import observe
 from delayq.clock import Clock
 from delayq.cron import ScheduleRunner, schedules_for
 from delayq.dialects import bounds, dialect_for
-from delayq.errors import InvalidInputError
+from delayq.dialects._pg_listen import CANCELLED
+from delayq.errors import DeliveryCancelledError, InvalidInputError
 from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
@@ -306,12 +307,29 @@ class Core:
                 result = handler.handle(delivery)
             delivery._finished_with(result, dt.timedelta(seconds=time.monotonic() - started))
             return True
+        except DeliveryCancelledError:  # raise_if_cancelled: the lock is gone, nothing to record
+            log.info("%s: its handler stopped: cancelled, or its lock lost", delivery.label)
         except NotBegun as exc:  # no connection for the handler: not an attempt, give it back
             log.warning("%s: its transaction could not begin (%s)", delivery.label, describe(exc.__cause__ or exc))
             self.jobs.release([job], "the handler's transaction could not begin")
         except Exception as exc:  # whatever the handler raised is a failed attempt, or Retry / DeadLetter
-            QueueSource.record_failure(job, exc)
+            if job.lost:  # cancelled, or the lock lost: a retry or dead letter would change nothing
+                log.info("%s: failed after its lock was gone (%s); nothing recorded", delivery.label, describe(exc))
+            else:
+                QueueSource.record_failure(job, exc)
         return False
+
+    def heard_cancel(self, payload: str) -> bool:
+        """A notification on the listener's connection: True for a cancel (``CANCELLED`` + a message id), whose
+        job this worker holds is then lost and its handler told; False for a wake-up (a queue name)."""
+        if not payload.startswith(CANCELLED):
+            return False
+        try:
+            msg_id = int(payload[len(CANCELLED) :])
+        except ValueError:
+            return True  # (not ours to act on)
+        self.jobs.cancelled([msg_id])
+        return True
 
     @staticmethod
     def _handle_in_transaction(

@@ -51,7 +51,9 @@ class Job:
     acking: bool = False
     """An ack of it is under way (the heartbeat leaves it alone meanwhile)."""
     lost: bool = False
-    """The heartbeat found the lock gone."""
+    """The lock is gone: the heartbeat found it so, or the message was cancelled (its handler is told)."""
+    told: bool = False
+    """The driver was given it as lost while its handler runs (``lost_running``), to stop the handler."""
     started_at: float = 0.0
     """Monotonic time of the claim (its handler starts at once: the worker claims for free slots only)."""
     started_on_clock: dt.datetime | None = None
@@ -117,6 +119,31 @@ class Jobs:
             else:
                 del self._jobs[id(job)]
                 self.handled += 1
+
+    def cancelled(self, ids: Iterable[int]) -> int:
+        """The messages ``ids`` were cancelled (a notification): their jobs are lost, their handlers told
+        (``Delivery.cancelled``); a handled one awaiting its ack is forgotten. How many jobs this worker held."""
+        wanted = set(ids)
+        with self._lock:
+            found = [x for x in self._jobs.values() if x.delivery.id in wanted and not x.lost and not x.acking]
+            for x in found:
+                x.lost = True
+                if x.done:  # handled, and nothing left to ack
+                    del self._jobs[id(x)]
+                    self.handled += 1
+        for x in found:
+            x.delivery._cancel()
+            log.info("%s: cancelled while its handler ran; nothing of it is recorded", x.delivery.label)
+        return len(found)
+
+    def lost_running(self) -> list[Job]:
+        """The jobs whose handlers still run although their lock is gone (cancelled, replaced, or expired and
+        taken), each returned once: the asyncio driver cancels their tasks."""
+        with self._lock:
+            found = [x for x in self._jobs.values() if x.lost and not x.done and not x.told]
+            for x in found:
+                x.told = True
+        return found
 
     def cancel_unstarted(self) -> list[Job]:
         """The jobs whose handlers had not started, now kept from starting."""
@@ -263,7 +290,8 @@ class Jobs:
                     del self._jobs[id(x)]
                     self.handled += 1
         for x in newly_lost:
-            log.warning("%s: lock lost; another consumer may have it", x.delivery.label)
+            x.delivery._cancel()  # its handler's work no longer counts
+            log.warning("%s: lock lost (the message cancelled, replaced, or taken after expiry)", x.delivery.label)
         return extended, lost
 
     def _extend_due(self, job: Job, now: float) -> bool:

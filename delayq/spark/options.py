@@ -8,6 +8,8 @@ Every option is a string (Spark passes them so); names are case-insensitive.
 - ``dead`` (``false``): with ``queue``, read its dead letters instead of its live messages.
 - ``finished`` (``false``): with ``queue``, read the messages kept after they finished instead (``completed``
   or ``cancelled``, with their results and durations: ``DelayedQueue(retention=)``, ``unique_for``).
+- ``tag`` (none): with ``queue``, a batch read of only the messages (or dead letters) carrying this tag
+  (``offer(tags=)``); the database filters them (``tags LIKE '%,tag,%'``, no index).
 - ``group``: with ``topic``, a consumer group whose watermarks follow a streaming query's committed offsets,
   so ``delayq topics lag`` shows the query's lag and garbage collection keeps what it has not read. Use a
   group of its own: no ``Subscription`` may read it.
@@ -36,6 +38,7 @@ from delayq.engines import create_engine
 from delayq.errors import DelayqError, InvalidInputError, UnsupportedDatabaseError
 from delayq.queue import check_priority, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
+from delayq.tags import check_tag
 from delayq.topics.names import check_group, check_topic_stored
 
 KNOWN = {
@@ -44,6 +47,7 @@ KNOWN = {
     "topic",
     "dead",
     "finished",
+    "tag",
     "group",
     "table_prefix",
     "schema",
@@ -130,6 +134,7 @@ class SourceOptions:
     topic: str | None = None
     dead: bool = False
     finished: bool = False
+    tag: str | None = None
     group: str | None = None
     table_prefix: str = DEFAULT_PREFIX
     schema: str | None = None
@@ -180,12 +185,21 @@ class SourceOptions:
         finished = _bool(given, "finished")
         if finished and (queue is None or dead):
             raise InvalidInputError("option 'finished' applies to a queue, without 'dead'")
+        tag = given.get("tag")
+        if tag is not None:
+            if queue is None:
+                raise InvalidInputError("option 'tag' applies to a queue only")
+            try:
+                check_tag(tag)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"option {exc}") from None
         return cls(
             url=url,
             queue=queue,
             topic=topic,
             dead=dead,
             finished=finished,
+            tag=tag,
             group=group,
             table_prefix=prefix,
             schema=given.get("schema") or None,

@@ -41,6 +41,7 @@ from delayq.dialects import dialect_for
 from delayq.errors import InvalidInputError, SchemaMissingError
 from delayq.queue import _views
 from delayq.spark.options import JSON_TEXT, SourceOptions, reaching
+from delayq.tags import LIKE_ESCAPE, tag_pattern
 from delayq.topics import _scans
 from delayq.topics.statements import TopicStatements, statements_for
 
@@ -286,7 +287,7 @@ class DelayqReader(DataSourceReader):
 
     def _queue_partitions(self, conn: sa.Connection, now: int) -> list[InputPartition]:
         t, tables, dead, queue = self._table(), self.opts.tables(), self.opts.dead, self.opts.queue
-        where = [condition(t, p, now) for p in self.pushed]
+        where = [condition(t, p, now) for p in self.pushed] + self._tagged(t)
         pushed = tuple(self.pushed)
         finished = self.opts.finished
         low, high, rows = _views.scan_span(conn, tables, dead=dead, queue=queue, where=where, finished=finished)
@@ -328,6 +329,12 @@ class DelayqReader(DataSourceReader):
         groups = [tuple(parts[i::slices]) for i in range(slices)]
         return [DelayqPartition(LogSlice(g, sum(rows.get(p, 0) for p in g)), pushed) for g in groups if g]
 
+    def _tagged(self, t: sa.Table) -> list[sa.ColumnElement[bool]]:
+        """The ``tag`` option's condition on a queue's table (none without it)."""
+        if self.opts.tag is None:
+            return []
+        return [t.c.tags.like(tag_pattern(self.opts.tag), escape=LIKE_ESCAPE)]
+
     def _table(self) -> sa.Table:
         tables = self.opts.tables()
         if self.opts.topic is not None:
@@ -348,6 +355,7 @@ class DelayqReader(DataSourceReader):
                 now = _views.database_now_ms(conn)
                 filters = [condition(t, p, now) for p in partition.pushed]
                 if isinstance(part, QueueSlice):
+                    filters += self._tagged(t)
                     query = _views.scan_rows(
                         self.opts.tables(),
                         dead=self.opts.dead,

@@ -1,0 +1,177 @@
+"""Cancelling running work, with real workers of both drivers on every backend: the handler is told (threads:
+``delivery.cancelled``; asyncio: its task is cancelled), the message is recorded as cancelled, the handler's later
+ack or failure changes nothing, and the message never runs again.
+
+PostgreSQL's workers hear the cancel by NOTIFY (the test waits until the listener listens, then moves no clock);
+the other backends' at their next heartbeat, which the manual clock brings on (half a visibility timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+from collections import Counter
+from typing import Any
+
+import sqlalchemy as sa
+from test_cancel import cancelled, finished_rows
+from test_worker import wait_until
+from test_worker_contract import FAST, Driver, Running
+from test_worker_contract import driver as driver  # the fixture
+
+from delayq import CancelOutcome, DelayedQueue, Delivery, ManualClock, RetryPolicy
+from delayq.aio import AsyncHandler
+from delayq.queue._cancel import FINISHED_CANCELLED
+
+VT = dt.timedelta(seconds=20)
+
+
+def _listening_pids(engine: sa.Engine) -> set[int]:
+    """The sessions of this database whose last statement was a LISTEN on a cancel channel."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %_cancel%'"
+            )
+        )
+        return {int(r[0]) for r in rows}
+
+
+class Telling:
+    """Start a worker so that it can hear a cancel, and bring the news to it: PostgreSQL's by NOTIFY (once its
+    listener listens), the others' by the heartbeat the manual clock makes due."""
+
+    def __init__(self, driver: Driver, clock: ManualClock) -> None:
+        self.driver, self.clock = driver, clock
+        self.notifies = driver.backend.name == "postgresql"
+        self.options: dict[str, Any] = {**FAST, "listen": self.notifies, "clock": clock}
+
+    def start(self, worker: Running) -> None:
+        before = _listening_pids(self.driver.backend.engine) if self.notifies else set()
+        worker.start()
+        if self.notifies:
+            engine = self.driver.backend.engine
+            wait_until(lambda: bool(_listening_pids(engine) - before), "the worker's listener to LISTEN")
+
+    def tell(self) -> None:
+        if not self.notifies:
+            self.clock.advance(VT / 2 + dt.timedelta(seconds=1))
+
+
+def test_a_running_handler_is_told_recorded_cancelled_and_its_ack_changes_nothing(
+    driver: Driver, queue_name: str, clock: ManualClock
+) -> None:
+    runs: Counter[str] = Counter()
+    started, told, acked = threading.Event(), threading.Event(), []
+
+    def body(d: Delivery, _: object) -> None:
+        runs[d.key] += 1
+        if d.key == "k":
+            started.set()
+            if d.cancelled.wait(30):
+                told.set()
+            # Its own ack, after the cancel: fenced. (An asyncio handler's sync delivery runs on the loop only; its
+            # task is cancelled by now, and test_cancel.py fences the async API's ack.)
+            acked.append(d.ack() if driver.kind == "threads" else False)
+
+    handler = driver.queue_handler(queue_name, body, visibility_timeout=VT)
+    telling = Telling(driver, clock)
+    worker = driver.worker([handler], **telling.options)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer("k", {"n": 1}, tags=["report"])
+    telling.start(worker)
+    try:
+        wait_until(started.is_set, "the handler to start")
+        assert q.cancel_job("k") is CancelOutcome.RUNNING
+        telling.tell()
+        wait_until(told.is_set, "the handler to be told")
+        wait_until(lambda: bool(acked), "the handler's own ack")
+        q.offer("after", 2)
+        wait_until(lambda: runs["after"] == 1 and worker.health().held == 0, "a later message")
+    finally:
+        assert worker.stop()
+    assert acked == [False]
+    assert runs["k"] == 1 and cancelled(q, "k") and q.dead_letters() == []
+    [row] = finished_rows(driver.backend.engine, queue_name)
+    assert (row.key, row.state, row.tags) == ("k", FINISHED_CANCELLED, ",report,")
+
+
+def test_a_handler_failing_after_its_cancel_is_not_retried(driver: Driver, queue_name: str, clock: ManualClock) -> None:
+    """One handler raises an error once told, one stops with ``raise_if_cancelled``: no retry is scheduled, no dead
+    letter made, and neither runs again."""
+    runs: Counter[str] = Counter()
+    started = {"raises": threading.Event(), "stops": threading.Event()}
+    ended: list[str] = []
+
+    def body(d: Delivery, _: object) -> None:
+        runs[d.key] += 1
+        if d.key in started:
+            started[d.key].set()
+            d.cancelled.wait(30)
+            ended.append(d.key)
+            if d.key == "stops":
+                d.raise_if_cancelled()
+            raise RuntimeError("failed after the cancel")
+
+    retry = RetryPolicy.fixed(dt.timedelta(0), max_attempts=5)
+    handler = driver.queue_handler(queue_name, body, visibility_timeout=VT, retry=retry)
+    telling = Telling(driver, clock)
+    worker = driver.worker([handler], concurrency=2, **telling.options)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer_many([("raises", 1, None), ("stops", 2, None)])
+    telling.start(worker)
+    try:
+        wait_until(lambda: all(e.is_set() for e in started.values()), "both handlers to start")
+        assert [q.cancel_job(k) for k in ("raises", "stops")] == [CancelOutcome.RUNNING] * 2
+        telling.tell()
+        wait_until(lambda: sorted(ended) == ["raises", "stops"], "both handlers to end")
+        q.offer("after", 3)
+        wait_until(lambda: runs["after"] == 1 and worker.health().held == 0, "a later message")
+    finally:
+        assert worker.stop()
+    assert runs == Counter({"raises": 1, "stops": 1, "after": 1})
+    assert cancelled(q, "raises") and cancelled(q, "stops") and q.dead_letters() == []
+    assert sorted(r.key for r in finished_rows(driver.backend.engine, queue_name)) == ["raises", "stops"]
+
+
+def test_an_async_handlers_task_is_cancelled(driver: Driver, queue_name: str, clock: ManualClock) -> None:
+    """An ``async def`` handler gets ``CancelledError`` where it awaits; nothing is recorded for it but the cancel."""
+    if driver.kind != "asyncio":
+        return  # (a thread handler cannot be interrupted: the tests above)
+    runs: Counter[str] = Counter()
+    started, interrupted = threading.Event(), threading.Event()
+
+    class Sleeper(AsyncHandler):
+        queue = queue_name
+        visibility_timeout = VT
+
+        async def handle(self, delivery: Any, conn: Any = None) -> None:
+            runs[delivery.key] += 1
+            if delivery.key != "k":
+                return
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                assert delivery.cancelled.is_set()
+                interrupted.set()
+                raise
+
+    telling = Telling(driver, clock)
+    worker = driver.worker([Sleeper()], **telling.options)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer("k", 1)
+    telling.start(worker)
+    try:
+        wait_until(started.is_set, "the handler to start")
+        assert q.cancel_job("k") is CancelOutcome.RUNNING
+        telling.tell()
+        wait_until(interrupted.is_set, "the handler's task to be cancelled")
+        q.offer("after", 2)
+        wait_until(lambda: runs["after"] == 1 and worker.health().held == 0, "a later message")
+    finally:
+        assert worker.stop()
+    assert runs == Counter({"k": 1, "after": 1})
+    assert cancelled(q, "k") and q.dead_letters() == []
+    assert [r.state for r in finished_rows(driver.backend.engine, queue_name)] == [FINISHED_CANCELLED]
