@@ -430,3 +430,17 @@ def test_the_charts_count_arrivals_and_departures_between_reads(engine: sa.Engin
     series = samples.series(queue_name)
     assert series["in_per_s"] == [[1010.0, 0.3]] and series["out_per_s"] == [[1010.0, 0.2]]
     assert [v for _, v in series["backlog"]] == [4, 5]
+
+
+def test_the_messages_page_filters_by_tag_and_refuses_a_bad_tag_in_one_line(engine: sa.Engine, queue_name: str) -> None:
+    q = DelayedQueue(engine, queue_name)
+    q.offer("a", 1, tags=["billing"])
+    q.offer("b", 2, tags=["email", "eu"])
+    q.offer("c", 3)
+    c = TestClient(app(engine))
+    page = c.get("/queue", params={"queue": queue_name, "tag": "email"})
+    keys = re.findall(r'key=([abc])"', page.text)
+    assert page.status_code == 200 and keys == ["b"] and "email, eu" in page.text
+    assert sorted(re.findall(r'key=([abc])"', c.get("/queue", params={"queue": queue_name}).text)) == ["a", "b", "c"]
+    bad = c.get("/queue", params={"queue": queue_name, "tag": "Not A Tag!"})
+    assert bad.status_code == 400 and "tag" in bad.text

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from delayq.browse import State, list_messages
+from delayq.messages import CancelOutcome
 from delayq.errors import InvalidInputError
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.web import _csrf
@@ -97,7 +98,9 @@ def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
 
 def _cancel(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
     key = _key(form)
-    return _found(q.cancel(key), f"{key}: cancelled", key)
+    outcome = q.cancel_job(key)
+    told = ": its handler was running, its worker is told" if outcome is CancelOutcome.RUNNING else ""
+    return _found(bool(outcome), f"{key}: cancelled{told}", key)
 
 
 def _requeue(q: DelayedQueue, form: dict[str, str], _: Where) -> str:

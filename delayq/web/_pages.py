@@ -10,7 +10,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from delayq.browse import State
+from delayq.errors import InvalidInputError
 from delayq.queue import check_queue_name
+from delayq.tags import check_tag
 from delayq.web import _reads
 from delayq.web._render import Dashboard, json_response
 
@@ -60,11 +62,17 @@ async def dead_letters(dash: Dashboard, request: Request) -> Response:
 
 async def _listing(dash: Dashboard, request: Request, name: str, state: State | None, template: str) -> Response:
     prefix = request.query_params.get("prefix", "")
+    # (a tag filters the messages page only: the dead letters' bulk actions act by key prefix alone)
+    tag = request.query_params.get("tag", "") if state is not State.DEAD else ""
     try:
         after = _reads.decode_cursor(request.query_params.get("after"))
     except ValueError:
         return dash.error(request, 400, "bad page cursor: follow the dashboard's own 'next' link")
-    page, view = await run_in_threadpool(_page_and_counts, dash, name, state, prefix, after)
+    try:
+        tag = check_tag(tag) if tag else ""
+    except InvalidInputError as e:
+        return dash.error(request, 400, str(e))
+    page, view = await run_in_threadpool(_page_and_counts, dash, name, state, prefix, tag, after)
     rows = [_row(m) for m in page.messages]
     return dash.render(
         request,
@@ -73,6 +81,7 @@ async def _listing(dash: Dashboard, request: Request, name: str, state: State | 
         state=state.value if state else "",
         states=LIVE_STATES,
         prefix=prefix,
+        tag=tag,
         after=request.query_params.get("after", ""),
         page=page,
         rows=rows,
@@ -82,9 +91,9 @@ async def _listing(dash: Dashboard, request: Request, name: str, state: State | 
 
 
 def _page_and_counts(
-    dash: Dashboard, name: str, state: State | None, prefix: str, after: tuple[int, int, str] | None
+    dash: Dashboard, name: str, state: State | None, prefix: str, tag: str, after: tuple[int, int, str] | None
 ) -> tuple[_reads.Page, _reads.QueueView]:
-    page = _reads.messages_page(dash.where, name, state=state, key_prefix=prefix, after=after)
+    page = _reads.messages_page(dash.where, name, state=state, key_prefix=prefix, tag=tag, after=after)
     return page, _counts(dash, name)
 
 
@@ -97,6 +106,7 @@ def _row(m: Any) -> dict[str, Any]:
         "attempts": m.attempts,
         "last_error": m.last_error or "",
         "payload": _reads.short_payload(m.payload),
+        "tags": ", ".join(getattr(m, "tags", ())),
     }
 
 

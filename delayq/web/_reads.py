@@ -159,9 +159,16 @@ def decode_cursor(text: str | None) -> tuple[int, int, str] | None:
 
 
 def messages_page(
-    where: Where, queue: str, *, state: State | None, key_prefix: str | None, after: tuple[int, int, str] | None
+    where: Where,
+    queue: str,
+    *,
+    state: State | None,
+    key_prefix: str | None,
+    after: tuple[int, int, str] | None,
+    tag: str | None = None,
 ) -> Page:
-    """A page of a queue's messages (or dead letters, with ``State.DEAD``), keyset-paginated."""
+    """A page of a queue's messages (or dead letters, with ``State.DEAD``), keyset-paginated; with ``tag``,
+    only those carrying it."""
     with where.engine.connect() as conn:
         now = database_now(conn)
         found = list_messages(
@@ -174,6 +181,7 @@ def messages_page(
             limit=PAGE + 1,
             after=after,
             by_key=bool(key_prefix),  # (under a prefix, by key: a range of the (queue, key) index)
+            tag=tag or None,
         )
         conn.rollback()
     more = len(found) > PAGE
