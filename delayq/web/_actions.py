@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from delayq.browse import State, list_messages
-from delayq.messages import CancelOutcome
 from delayq.errors import InvalidInputError
+from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.web import _csrf
 from delayq.web._reads import Where
