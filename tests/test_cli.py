@@ -160,6 +160,7 @@ def test_missing_tables(tmp_path: Path) -> None:
     assert out.exit_code == 2 and "delayq migrate" in out.output, out.output
 
 
+@pytest.mark.slow  # (subprocesses: the full profile; the fast one stays under 8 minutes)
 def test_demo_runs_as_a_process_and_leaves_a_database_to_look_at(tmp_path: Path) -> None:
     from conftest import REPO_ROOT
 

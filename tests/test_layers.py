@@ -154,6 +154,7 @@ def test_the_leaves_import_only_leaves(leaf: str) -> None:
     assert not above, f"{leaf} imports " + ", ".join(above)
 
 
+@pytest.mark.slow  # (subprocesses: the full profile; the fast one stays under 8 minutes)
 def test_every_module_imports_on_its_own() -> None:
     """``python -c "import delayq.x"`` works for every module x, whatever was imported before it."""
     script = textwrap.dedent(

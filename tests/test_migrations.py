@@ -211,6 +211,7 @@ def documented_embedding() -> tuple[str, str, list[list[str]]]:
     return ini, env, commands
 
 
+@pytest.mark.slow  # (subprocesses: the full profile; the fast one stays under 8 minutes)
 def test_the_documented_embedding_commands_run_as_written(tmp_path: Path) -> None:
     """On a fresh database, and switching a standalone one (``delayq migrate``) to the app's environment."""
     bin_dir = Path(sys.executable).parent
