@@ -287,10 +287,20 @@ FULL_PROFILE_MODULES = {
     "test_worker_network",
     "test_worker_processes",
     "test_worker_shutdown",
+    # the fault-proxy and frozen-transaction suites (silent servers, lost COMMIT replies, held locks, racing
+    # consumers): each case waits out a bound, so together they take minutes
+    "test_idle_bounds",
+    "test_seams_review",
+    "test_aio_seams",
+    "test_concurrency",
+    "test_worker_faults",
+    "test_topics_faults",
+    "test_watchdog",
 }
 """Modules that run in the full profile only (``scripts/test --full``): JVMs, the chaos soak, every example
 as a subprocess, the benchmarks' smoke run, and the worker fault tests that signal or kill ``delayq worker``
-processes or silence their network for seconds (on both drivers). Single tests elsewhere carry
+processes or silence their network for seconds (on both drivers), and the fault-proxy and frozen-transaction
+suites. Single tests elsewhere carry
 ``@pytest.mark.slow`` themselves."""
 
 
