@@ -51,14 +51,22 @@ STATES = ("ready", "scheduled", "in_flight")
 """A live message's state when the read was planned: due (``ready``, which includes expired locks), due
 later (``scheduled``), or held by a consumer whose lock has not expired (``in_flight``)."""
 
-MESSAGE_SCHEMA = T.StructType(
-    [
+
+def _stored() -> list[T.StructField]:
+    """The fields every stored message's row begins with: its identity and payload (new objects each call)."""
+    return [
         T.StructField("id", T.LongType(), False),
         T.StructField("queue", T.StringType(), False),
         T.StructField("key", T.StringType(), False),
         T.StructField("payload", T.BinaryType(), False),
         T.StructField("payload_type", T.StringType(), False),
         T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
+    ]
+
+
+MESSAGE_SCHEMA = T.StructType(
+    [
+        *_stored(),
         T.StructField("state", T.StringType(), False),
         T.StructField("scheduled_at", T.TimestampType(), False),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
@@ -69,12 +77,7 @@ MESSAGE_SCHEMA = T.StructType(
 )
 DEAD_LETTER_SCHEMA = T.StructType(
     [
-        T.StructField("id", T.LongType(), False),
-        T.StructField("queue", T.StringType(), False),
-        T.StructField("key", T.StringType(), False),
-        T.StructField("payload", T.BinaryType(), False),
-        T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
+        *_stored(),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
         T.StructField("attempts", T.IntegerType(), False),
@@ -84,12 +87,7 @@ DEAD_LETTER_SCHEMA = T.StructType(
 )
 FINISHED_SCHEMA = T.StructType(
     [
-        T.StructField("id", T.LongType(), False),
-        T.StructField("queue", T.StringType(), False),
-        T.StructField("key", T.StringType(), False),
-        T.StructField("payload", T.BinaryType(), False),
-        T.StructField("payload_type", T.StringType(), False),
-        T.StructField("payload_json", T.StringType(), True, {JSON_TEXT: True}),
+        *_stored(),
         T.StructField("state", T.StringType(), False),
         T.StructField("scheduled_at_initially", T.TimestampType(), False),
         T.StructField("created_at", T.TimestampType(), False),
