@@ -94,9 +94,12 @@ def test_a_second_signal_exits_at_once_keeping_the_running_handlers_message(
     processes.append(worker)
     wait_until(lambda: bool(markers_of(tmp_path, "started")), "the handler to start")
     worker.send_signal(signal.SIGTERM)  # graceful: the handler may run on for --shutdown-timeout (20 s)
-    worker.send_signal(signal.SIGINT)  # a second signal (taken in order, after the first): no more waiting
+    worker.send_signal(signal.SIGINT)  # a second signal: no more waiting
     output = worker.communicate(timeout=15)[0].decode()
-    assert worker.returncode == 128 + signal.SIGINT, output
+    # Both may be pending when the process next runs; the kernel then hands over the lower number first, so the
+    # second one taken (the exit status) is either signal.
+    assert worker.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), output
+    assert "second signal: exiting at once" in output
     assert markers_of(tmp_path, "done") == {}
     message = q.get("job")  # not released: it returns after its visibility timeout, the attempt counted
     assert message is not None and message.locked and message.attempts == 1, output
