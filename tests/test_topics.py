@@ -294,6 +294,40 @@ def test_a_subscriber_whose_lease_was_stolen_can_change_nothing(
     assert new.advance_watermarks() == {0: 3}
 
 
+@pytest.mark.parametrize("steal", ["committed", "rolled back"])
+def test_an_ack_waiting_on_a_steal_in_progress_acks_only_if_the_steal_rolls_back(
+    make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], backend: Backend, steal: str
+) -> None:
+    if backend.name == "sqlite":
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    topic = make_topic(1)
+    topic.publish_many([("k", str(i), i) for i in range(3)])
+    sub = make_sub("old")
+    assert sub.rebalance() == {0: 1}
+    got = sub.poll(10)  # a run at attempt 1: on PostgreSQL acked by one statement, its fence inside
+    leases = make_tables().topics.leases
+    thief = sa.create_engine(backend.url, poolclass=sa.NullPool)
+    try:
+        with thief.connect() as conn:
+            mine = sa.and_(leases.c.topic == topic.name, leases.c.consumer_group == "g", leases.c.partition == 0)
+            conn.execute(sa.update(leases).where(mine).values(holder="new", epoch=leases.c.epoch + 1))
+            results: list[list[bool]] = []
+            acking = threading.Thread(target=lambda: results.append(sub.ack_many(got)))
+            acking.start()
+            acking.join(0.5)
+            assert acking.is_alive()  # it waits for the steal's row lock
+            if steal == "committed":
+                conn.commit()
+            else:
+                conn.rollback()
+            acking.join(10)
+    finally:
+        thief.dispose()
+    assert results == ([[False] * 3] if steal == "committed" else [[True] * 3])
+    watermark = {lag.partition: lag.watermark for lag in group_lag(backend.engine, topic.name, "g")}
+    assert watermark == ({0: 0} if steal == "committed" else {0: 3})
+
+
 def test_exactly_once_commits_the_handlers_writes_with_the_ack(
     make_topic: Callable[..., Topic], make_sub: Callable[..., Subscription], engine: sa.Engine
 ) -> None:

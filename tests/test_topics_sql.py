@@ -147,3 +147,13 @@ def test_the_exclusive_fence_does_not_read_the_watermark() -> None:
     # A fence that waited for the lock would read it as of its start: stale after another holder's advance.
     sql = compiled("postgresql", "hold_exclusive")
     assert "delayq_topic_offsets" not in sql and sql.endswith("FOR UPDATE")
+
+
+def test_an_ack_in_order_on_postgresql_takes_its_fences_in_a_sub_select_run_once() -> None:
+    sql = built("postgresql", _backends._ack_runs_fenced, 2)
+    # ``= ANY((SELECT …))``: one array, an InitPlan run before the UPDATE locks a row of its own.
+    assert "delayq_topic_offsets.partition = ANY (CAST((SELECT array_agg(fenced.partition)" in sql
+    assert "delayq_topic_leases.holder = %(me)s::VARCHAR" in sql
+    assert "delayq_topic_leases.epoch = %(e0)s::BIGINT" in sql
+    assert "ORDER BY delayq_topic_leases.partition FOR SHARE) AS fenced) AS INTEGER[]))" in sql
+    assert sql.endswith("RETURNING delayq_topic_offsets.partition")

@@ -245,6 +245,10 @@ class Dialect:
     #: Whether a statement's WITH can hold an UPDATE … RETURNING that an INSERT reads (one statement for a
     #: topic's single publish: ``delayq.topics._backends.publish_one``).
     writable_cte: ClassVar[bool] = False
+    #: Whether an UPDATE can lock another table's rows (``FOR SHARE``) in a sub-select run once, before the
+    #: UPDATE locks a row of its own (an ack's fence and watermark move as one statement:
+    #: ``delayq.topics._backends.ack_runs_fenced``).
+    fence_in_update: ClassVar[bool] = False
     #: Whether a COMMIT's reply can be lost after the server committed (a network between): a claim
     #: attempt that failed may then hold rows under its token (``DelayedQueue.try_poll_many`` gives them back).
     unseen_commits: ClassVar[bool] = True

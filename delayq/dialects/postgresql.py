@@ -107,6 +107,7 @@ class PostgresDialect(Dialect):
     can_notify: ClassVar[bool] = True
     arrays: ClassVar[bool] = True
     writable_cte: ClassVar[bool] = True
+    fence_in_update: ClassVar[bool] = True  # ``= ANY((SELECT array_agg(…) FROM (… FOR SHARE)))``: an InitPlan
 
     @classmethod
     def unnest(cls, name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:

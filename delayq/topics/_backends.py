@@ -209,6 +209,56 @@ def ack_runs(
     return moved
 
 
+def ack_runs_fenced(
+    conn: Connection, stmts: _Stmts, key: Mapping[str, Any], runs: Mapping[int, tuple[int, int, int]]
+) -> set[int]:
+    """``ack_runs`` with its fence, in one statement (only where ``fence_in_update``): ``runs`` is partition ->
+    (epoch, after, upto); the partitions moved. ``key`` holds the group, topic, ``me`` and, on an injected
+    clock, ``now``.
+
+        UPDATE topic_offsets SET acked_offset = CASE partition … END, updated_at = <now>
+        WHERE <the group's> AND (<ack_runs' conditions>)
+          AND partition = ANY((SELECT array_agg(partition) FROM (SELECT partition FROM topic_leases
+                               WHERE <the group's> AND holder = :me AND (partition, epoch) IN (…)
+                               ORDER BY partition FOR SHARE) AS fenced))
+        RETURNING partition
+
+    The sub-select runs once, before the UPDATE locks any row, so the fences are taken first and in order, as
+    a poll's are; a lease stolen meanwhile (an UPDATE of its row) is waited for and then not matched.
+    """
+    items = sorted(runs.items())
+    moved: set[int] = set()
+    for start in range(0, len(items), RANGE_SLOTS):
+        chunk = _padded(items[start : start + RANGE_SLOTS])
+        params = dict(key)
+        for i, (p, (epoch, after, upto)) in enumerate(chunk):
+            params[f"p{i}"], params[f"e{i}"], params[f"a{i}"], params[f"u{i}"] = p, epoch, after, upto
+        moved.update(int(r.partition) for r in conn.execute(stmts.memo(_ack_runs_fenced, len(chunk)), params))
+    return moved
+
+
+def _ack_runs_fenced(stmts: _Stmts, slots: int) -> sa.Update:
+    le = stmts.tables.leases
+    parts = [sa.bindparam(f"p{i}", type_=sa.Integer) for i in range(slots)]
+    epochs = [sa.bindparam(f"e{i}", type_=sa.BigInteger) for i in range(slots)]
+    fences = (
+        sa.select(le.c.partition)
+        .where(
+            le.c.consumer_group == sa.bindparam("group", type_=sa.String),
+            le.c.topic == sa.bindparam("topic_name", type_=sa.String),
+            le.c.holder == sa.bindparam("me", type_=sa.String),
+            sa.or_(*(sa.and_(le.c.partition == p, le.c.epoch == e) for p, e in zip(parts, epochs, strict=True))),
+        )
+        .order_by(le.c.partition)
+        .with_for_update(read=True)
+        .subquery("fenced")
+    )
+    # (cast: ``= ANY((SELECT …))`` compares with one array; ``= ANY(SELECT …)`` would compare with each row)
+    fenced = sa.cast(sa.select(sa.func.array_agg(fences.c.partition)).scalar_subquery(), sa.ARRAY(sa.Integer))
+    off = stmts.tables.offsets
+    return _ack_runs_case(stmts, slots).where(off.c.partition == sa.any_(fenced)).values(updated_at=stmts.now_expr)
+
+
 def _log_columns(stmts: _Stmts, dead: bool) -> list[sa.ColumnElement[Any]]:
     log = stmts.tables.log
     names = ("partition", "message_offset", "partition_key", "message_id", "payload", "payload_type", "published_at")
@@ -308,7 +358,12 @@ def _set_ranges_unnest(stmts: _Stmts) -> sa.Update:
 
 
 def publish_one(
-    conn: Connection, stmts: _Stmts, topic: str, item: tuple[int, str, str, bytes], payload_type: str
+    conn: Connection,
+    stmts: _Stmts,
+    topic: str,
+    item: tuple[int, str, str, bytes],
+    payload_type: str,
+    wake: tuple[str, str] | None = None,
 ) -> bool:
     """Publish one message in one statement, on its own (autocommitted: the head row stays locked for the
     statement only); whether it was created (False: its id is in the log). Only where ``writable_cte``:
@@ -322,10 +377,21 @@ def publish_one(
     The head and the row commit together, so offsets stay gap-free and in commit order. The lookup reads
     the statement's snapshot: the same id published at the same moment by another transaction fails the
     unique constraint (``IntegrityError``), and the caller publishes it again the general way.
+
+    ``wake``: (channel, payload) of a notification the same statement sends when it created the row
+    (``SELECT …, pg_notify(:channel, :wake) FROM (the INSERT … RETURNING)``): delivered at its commit.
     """
     partition, key, mid, payload = item
     params = {"topic_name": topic, "part": partition, "key": key, "mid": mid, "payload": payload, "ptype": payload_type}
-    return conn.execute(stmts.memo(_publish_one), params).first() is not None
+    if wake is None:
+        return conn.execute(stmts.memo(_publish_one), params).first() is not None
+    channel, wake_payload = wake
+    return conn.execute(stmts.memo(_publish_one_waking, channel), {**params, "wake": wake_payload}).first() is not None
+
+
+def _publish_one_waking(stmts: _Stmts, channel: str) -> sa.Select[Any]:
+    inserted = _publish_one(stmts).cte("inserted")
+    return sa.select(inserted.c.message_offset, sa.func.pg_notify(channel, sa.bindparam("wake", type_=sa.String)))
 
 
 def _publish_one(stmts: _Stmts) -> sa.Insert:

@@ -29,3 +29,9 @@ def notify(conn: Connection, dialect: Dialect, tables: Tables, topic: str) -> No
     statement = dialect.cached(("topic_wake", tables), lambda: dialect.notify_statement(tables))
     if statement is not None:
         conn.execute(statement, {"queue_name": payload(topic)})
+
+
+def channel(dialect: Dialect, tables: Tables, topic: str) -> tuple[str, str] | None:
+    """(channel, payload) of the notification that wakes ``topic``'s subscribers, for a statement that sends
+    it itself; None where the database cannot notify."""
+    return (tables.messages.name, payload(topic)) if dialect.can_notify else None

@@ -445,9 +445,22 @@ class TopicStatements(Memo):
         """See ``_backends.ack_runs``."""
         return _backends.ack_runs(conn, self, key, runs, now)
 
-    def publish_one(self, conn: Connection, topic: str, item: tuple[int, str, str, bytes], payload_type: str) -> bool:
+    def ack_runs_fenced(
+        self, conn: Connection, key: Mapping[str, Any], runs: Mapping[int, tuple[int, int, int]]
+    ) -> set[int]:
+        """See ``_backends.ack_runs_fenced``."""
+        return _backends.ack_runs_fenced(conn, self, key, runs)
+
+    def publish_one(
+        self,
+        conn: Connection,
+        topic: str,
+        item: tuple[int, str, str, bytes],
+        payload_type: str,
+        wake: tuple[str, str] | None = None,
+    ) -> bool:
         """See ``_backends.publish_one``."""
-        return _backends.publish_one(conn, self, topic, item, payload_type)
+        return _backends.publish_one(conn, self, topic, item, payload_type, wake)
 
     def ack_each(
         self, conn: Connection, key: Mapping[str, Any], pairs: Sequence[tuple[int, int]]

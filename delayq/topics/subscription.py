@@ -422,12 +422,42 @@ class Subscription:
         by_lease = self._by_lease(deliveries)
         if not by_lease:
             return []
+        acked: set[int] = set()
+        if self.ctx.runner.dialect.fence_in_update:
+            runs = self._runs(by_lease)
 
-        def op(conn: Connection, dialect: Dialect) -> set[int]:
-            return self._ack_in(conn, self.ctx.stmts(dialect), by_lease)
+            def in_order(conn: Connection, dialect: Dialect) -> set[int]:
+                key = {"group": self.group, "topic_name": self.topic, "me": self.name, **self.ctx.now_param()}
+                return self.ctx.stmts(dialect).ack_runs_fenced(conn, key, runs)
 
-        acked = self.ctx.runner.run(using, op, "transaction")
+            # The common case, each partition's deliveries next in order: one statement, fences included.
+            moved = self.ctx.runner.run(using, in_order, "statement") if runs else set()
+            for p in moved:
+                acked.update(i for i, _ in by_lease[p, runs[p][0]].values())
+            by_lease = {pe: firsts for pe, firsts in by_lease.items() if pe[0] not in moved}
+        if by_lease:
+
+            def op(conn: Connection, dialect: Dialect) -> set[int]:
+                return self._ack_in(conn, self.ctx.stmts(dialect), by_lease)
+
+            acked |= self.ctx.runner.run(using, op, "transaction")
         return [i in acked for i in range(len(deliveries))]
+
+    @staticmethod
+    def _runs(
+        by_lease: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]],
+    ) -> dict[int, tuple[int, int, int]]:
+        """partition -> (epoch, after, upto) of the partitions whose deliveries (of one lease) are a run of
+        offsets at attempt 1: acked in order by moving the watermark from ``after`` to ``upto``."""
+        leases: dict[int, int] = {}
+        for p, _ in by_lease:
+            leases[p] = leases.get(p, 0) + 1
+        runs: dict[int, tuple[int, int, int]] = {}
+        for (p, epoch), firsts in by_lease.items():
+            offsets = sorted(o for o, _ in firsts)
+            if leases[p] == 1 and all(a == 1 for _, a in firsts) and offsets[-1] - offsets[0] == len(offsets) - 1:
+                runs[p] = (epoch, offsets[0] - 1, offsets[-1])
+        return runs
 
     @staticmethod
     def _by_lease(deliveries: list[TopicDelivery]) -> dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]]:
@@ -456,11 +486,7 @@ class Subscription:
         epochs = {int(r.partition): int(r.epoch) for r in fenced}
         now = int(fenced[0].now)
         held = {pe: firsts for pe, firsts in by_lease.items() if epochs.get(pe[0]) == pe[1]}
-        runs: dict[int, tuple[int, int]] = {}
-        for (p, _), firsts in held.items():
-            offsets = sorted(o for o, _ in firsts)
-            if all(a == 1 for _, a in firsts) and offsets[-1] - offsets[0] == len(offsets) - 1:
-                runs[p] = (offsets[0] - 1, offsets[-1])
+        runs = {p: (after, upto) for p, (_, after, upto) in self._runs(held).items()}
         in_order = stmts.ack_runs(conn, g, runs, now) if runs else set()
         acked: set[int] = set()
         for (p, _), firsts in sorted(held.items()):

@@ -152,11 +152,9 @@ class Topic:
 
         def one(conn: Connection, dialect: Dialect) -> list[OfferOutcome]:
             stmts = self.ctx.stmts(dialect)
-            made = stmts.publish_one(conn, self.name, located(conn, stmts)[0], tag)
+            wake = _wake.channel(dialect, self.ctx.tables, self.name) if self.notify else None
+            made = stmts.publish_one(conn, self.name, located(conn, stmts)[0], tag, wake)
             return [OfferOutcome.CREATED if made else OfferOutcome.IGNORED]
-
-        def wake(conn: Connection, dialect: Dialect) -> None:
-            _wake.notify(conn, dialect, self.ctx.tables, self.name)
 
         tag = self.serializer.type_tag
         with observe.publishing_topic(self.name, len(prepared)) as added:  # (tracing: the publish's span)
@@ -164,14 +162,12 @@ class Topic:
             outcomes: list[OfferOutcome] | None = None
             one_statement = self.ctx.runner.dialect.writable_cte and self.ctx.clock is None and _owned(using)
             if len(prepared) == 1 and headers is None and one_statement:
-                # One message without headers in delayq's own transaction: one autocommitted statement (see
-                # ``publish_one``), then the wake-up in its own (it follows the publish's commit).
+                # One message without headers in delayq's own transaction: one autocommitted statement, its
+                # wake-up included (see ``publish_one``).
                 try:
                     outcomes = self.ctx.runner.run(using, one, "statement")
                 except IntegrityError:  # the same id published at this moment elsewhere: the general way
                     outcomes = None
-                if outcomes is not None and self.notify and outcomes[0] is OfferOutcome.CREATED:
-                    self.ctx.runner.run(using, wake, "statement")
             published = self.ctx.runner.run(using, op, "transaction") if outcomes is None else outcomes
         observe.count_topic("published", self.name, "", published.count(OfferOutcome.CREATED))
         return published
