@@ -25,9 +25,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from delayq import DelayedQueue, ManualClock, migrations
 from delayq.schema import metadata
+from delayq.tracing import disable, enable
 
 ALL_BACKENDS = ("sqlite", "postgresql", "mysql", "postgresql-asyncpg")
 ASYNC_ONLY = {"postgresql-asyncpg": "postgresql"}
@@ -229,6 +233,20 @@ def make_queue(
 def queue(make_queue: Callable[..., DelayedQueue]) -> DelayedQueue:
     """A queue on the manual clock with a one-minute visibility timeout."""
     return make_queue(visibility_timeout=dt.timedelta(minutes=1))
+
+
+@pytest.fixture
+def traced() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    """Tracing on (``delayq.tracing.enable``) with an in-memory exporter of finished spans; off after."""
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    enable(provider)
+    try:
+        yield provider, exporter
+    finally:
+        disable()
+        provider.shutdown()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import io
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,7 +20,6 @@ import sqlalchemy as sa
 from conftest import Backend
 from faults import hold_row_lock
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry, generate_latest
@@ -45,7 +44,6 @@ from delayq.runtime._core import backoff
 from delayq.schema import make_tables
 from delayq.top import Top, render
 from delayq.topics import _gc, group_lag, partition_for
-from delayq.tracing import disable, enable
 
 SECOND = dt.timedelta(seconds=1)
 
@@ -302,19 +300,6 @@ def test_topic_metrics_count_per_topic_and_group(engine: sa.Engine, topic_name: 
     assert got["delayq_topic_handler_duration_seconds_count{group=g,outcome=failure}"] == 2
     assert got["delayq_topic_handler_duration_seconds_count{group=g,outcome=dead_letter}"] == 1
     assert got["delayq_topic_lag{group=g}"] == 0 and got["delayq_topic_subscribers{group=g}"] == 0
-
-
-@pytest.fixture
-def traced() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    provider = TracerProvider()
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    enable(provider)
-    try:
-        yield provider, exporter
-    finally:
-        disable()
-        provider.shutdown()
 
 
 def test_a_topic_handlers_span_links_to_the_publish(

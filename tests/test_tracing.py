@@ -5,33 +5,16 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 from conftest import Backend, make_async_engine
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from delayq import Delivery, Handler, ManualClock, RetryPolicy, Worker
 from delayq.aio import AsyncDelivery, AsyncHandler, AsyncWorker
-from delayq.tracing import disable, enable
-
-
-@pytest.fixture
-def traced() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    provider = TracerProvider()
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    enable(provider)
-    try:
-        yield provider, exporter
-    finally:
-        disable()
-        provider.shutdown()
 
 
 def test_the_handlers_span_links_to_the_span_that_offered_the_message(

@@ -79,41 +79,33 @@ class _Queued(_QueueBase):
         fin = conn.execute(ls.latest_finished, params).first()
         dead = conn.execute(ls.dead_latest, params).first() if include_dead else None
         if dead is not None and (fin is None or dead.failed_at >= fin.finished_at):
-            at = from_ms(dead.failed_at)
-            return Message(
-                key=dead.key,
-                payload=self._decode(dead.key, dead.payload_type, dead.payload),
-                scheduled_at=from_ms(dead.scheduled_at_initially),
-                scheduled_at_initially=from_ms(dead.scheduled_at_initially),
-                created_at=from_ms(dead.created_at),
-                attempts=dead.attempts,
-                last_error=dead.last_error,
-                locked=False,
-                attempt_history=history.parse(dead.attempt_history),
-                state="dead",
-                finished_at=at,
-                tags=decode_tags(dead.tags),
-            )
+            return self._kept_message(dead, "dead", dead.failed_at)
         if fin is None:
             return None
         result = None
         if fin.result is not None and fin.result_type is not None:
             result = self._decode(fin.key, fin.result_type, fin.result)
+        duration = None if fin.duration_ms is None else dt.timedelta(milliseconds=fin.duration_ms)
+        state = STATE_NAMES.get(fin.state, str(fin.state))
+        return self._kept_message(fin, state, fin.finished_at, result=result, duration=duration)
+
+    def _kept_message(self, row: Any, state: str, finished_at: int, **outcome: Any) -> Message:
+        """A ``Message`` of a row kept after its message finished (``finished`` or ``dead_letters``): not
+        locked, scheduled as it first was."""
         return Message(
-            key=fin.key,
-            payload=self._decode(fin.key, fin.payload_type, fin.payload),
-            scheduled_at=from_ms(fin.scheduled_at_initially),
-            scheduled_at_initially=from_ms(fin.scheduled_at_initially),
-            created_at=from_ms(fin.created_at),
-            attempts=fin.attempts,
-            last_error=fin.last_error,
+            key=row.key,
+            payload=self._decode(row.key, row.payload_type, row.payload),
+            scheduled_at=from_ms(row.scheduled_at_initially),
+            scheduled_at_initially=from_ms(row.scheduled_at_initially),
+            created_at=from_ms(row.created_at),
+            attempts=row.attempts,
+            last_error=row.last_error,
             locked=False,
-            attempt_history=history.parse(fin.attempt_history),
-            state=STATE_NAMES.get(fin.state, str(fin.state)),
-            result=result,
-            duration=None if fin.duration_ms is None else dt.timedelta(milliseconds=fin.duration_ms),
-            finished_at=from_ms(fin.finished_at),
-            tags=decode_tags(fin.tags),
+            attempt_history=history.parse(row.attempt_history),
+            state=state,
+            finished_at=from_ms(finished_at),
+            tags=decode_tags(row.tags),
+            **outcome,
         )
 
     def wait(self, key: str, timeout: dt.timedelta, *, using: Using = None) -> Message | None:
