@@ -297,6 +297,27 @@ def test_dead_letters_get_an_expiry_and_are_pruned(
     assert [m.key for m in kept.dead_letters()] == ["c"]
 
 
+def test_a_requeued_dead_letter_that_dies_again_gets_a_fresh_expiry(
+    make_queue: Callable[..., DelayedQueue], engine: sa.Engine, clock: ManualClock
+) -> None:
+    q = make_queue(dead_letter_retention=HOUR, max_deliveries=1, visibility_timeout=MINUTE)
+    q.offer("a", 1)
+    [a] = q.try_poll_many(1)
+    assert a.dead_letter("first")
+    clock.advance(30 * MINUTE)
+    assert q.requeue_dead("a")
+    assert pruner(engine, clock).run_once() is not None  # nothing expired; the live message is never the pruner's
+    clock.advance(10 * MINUTE)
+    [again] = q.try_poll_many(1)
+    assert again.dead_letter("second")  # at 40 minutes: kept until 1 h 40 min
+    clock.advance(30 * MINUTE)  # past the first death's expiry (1 h)
+    assert pruner(engine, clock).run_once() is not None
+    assert [(d.key, d.last_error) for d in q.dead_letters()] == [("a", "second")]
+    clock.advance(31 * MINUTE)
+    assert pruner(engine, clock).run_once() is not None
+    assert q.dead_letters() == [] and q.get("a") is None
+
+
 # -- the pruner -----------------------------------------------------------------------------------
 def test_one_pruner_holds_the_chore_at_a_time_until_its_lease_runs_out(engine: sa.Engine, clock: ManualClock) -> None:
     chore = f"prune-{uuid.uuid4().hex[:12]}"

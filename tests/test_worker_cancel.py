@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -20,9 +21,10 @@ from test_worker import wait_until
 from test_worker_contract import FAST, Driver, Running
 from test_worker_contract import driver as driver  # the fixture
 
-from delayq import CancelOutcome, DelayedQueue, Delivery, ManualClock, RetryPolicy
+from delayq import CancelOutcome, DelayedQueue, Delivery, Handler, ManualClock, RetryPolicy
 from delayq.aio import AsyncHandler
 from delayq.queue._cancel import FINISHED_CANCELLED
+from delayq.runtime._jobs import Jobs
 
 VT = dt.timedelta(seconds=20)
 
@@ -175,3 +177,25 @@ def test_an_async_handlers_task_is_cancelled(driver: Driver, queue_name: str, cl
     assert runs == Counter({"k": 1, "after": 1})
     assert cancelled(q, "k") and q.dead_letters() == []
     assert [r.state for r in finished_rows(driver.backend.engine, queue_name)] == [FINISHED_CANCELLED]
+
+
+def test_a_cancel_heard_before_the_claims_reply_tells_the_handler_once_its_job_is_registered(
+    make_queue: Any, clock: ManualClock
+) -> None:
+    """The claim committed, the cancel followed and its notification reached the worker before the claim's reply
+    did: the job is told as it is registered (not at its first heartbeat, half a visibility timeout later)."""
+
+    class Quiet(Handler):
+        def handle(self, delivery: Delivery, conn: object = None) -> None:  # pragma: no cover - never run here
+            pass
+
+    q = make_queue()
+    q.offer_many([("k", 1, None), ("other", 2, None)])
+    k, other = sorted(q.try_poll_many(2), key=lambda d: d.key)
+    assert q.cancel_job("k") is CancelOutcome.RUNNING
+    jobs = Jobs(clock)
+    assert jobs.cancelled([k.id]) == 0  # heard first: nothing held yet
+    registered = jobs.add_claimed(Quiet(), q, [k, other], time.monotonic())
+    assert k.cancelled.is_set() and not other.cancelled.is_set()
+    assert jobs.lost_running() == [registered[0]]  # (the asyncio driver cancels its task)
+    assert not k.ack() and other.ack()

@@ -62,6 +62,10 @@ class Job:
     """Its handler was found running past ``Handler.timeout`` (reported once)."""
 
 
+EARLY_CANCELS = 1024
+"""How many cancels of messages a worker did not hold it remembers, for a claim whose reply comes late."""
+
+
 class Jobs:
     """The jobs of one worker; thread-safe."""
 
@@ -70,6 +74,9 @@ class Jobs:
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
         self._running = 0  # jobs whose handler has not returned (kept, not counted: asked per freed slot)
+        # Cancels heard for messages this worker did not hold (yet): a claim's reply may come after the
+        # notification of a cancel that followed its commit. Ids are never reused; the newest are kept.
+        self._early_cancels: dict[int, None] = {}
         self.handled = 0
         """Deliveries finished (acked, retried, dead-lettered, or found lost) so far."""
 
@@ -102,6 +109,9 @@ class Jobs:
             for job in jobs:
                 held[id(job)] = job
             self._running += len(jobs)
+            early = [d.id for d in deliveries if d.id in self._early_cancels] if self._early_cancels else []
+        if early:
+            self.cancelled(early)  # cancelled between the claim's commit and now
         return jobs
 
     def running(self) -> int:
@@ -131,6 +141,10 @@ class Jobs:
                 if x.done:  # handled, and nothing left to ack
                     del self._jobs[id(x)]
                     self.handled += 1
+            for msg_id in wanted - {x.delivery.id for x in found}:
+                self._early_cancels[msg_id] = None
+            while len(self._early_cancels) > EARLY_CANCELS:
+                del self._early_cancels[next(iter(self._early_cancels))]
         for x in found:
             x.delivery._cancel()
             log.info("%s: cancelled while its handler ran; nothing of it is recorded", x.delivery.label)
