@@ -157,3 +157,12 @@ def test_an_ack_in_order_on_postgresql_takes_its_fences_in_a_sub_select_run_once
     assert "delayq_topic_leases.epoch = %(e0)s::BIGINT" in sql
     assert "ORDER BY delayq_topic_leases.partition FOR SHARE) AS fenced) AS INTEGER[]))" in sql
     assert sql.endswith("RETURNING delayq_topic_offsets.partition")
+
+
+def test_a_polls_read_of_its_ranges_moves_them_in_the_same_statement_on_postgresql() -> None:
+    sql = built("postgresql", _backends._read_and_move_ranges, False)
+    assert sql.startswith("WITH read AS (SELECT")
+    # Each partition's delivered offset moves to the last offset the statement read (not to the bound asked).
+    assert "SET delivered_offset=last.top, range_until=%(until)s::BIGINT FROM (SELECT read.partition" in sql
+    assert "max(read.message_offset) AS top FROM read GROUP BY read.partition) AS last" in sql
+    assert sql.endswith("FROM read ORDER BY read.partition, read.message_offset")

@@ -160,6 +160,50 @@ def read_ranges(
     return out
 
 
+def read_and_move_ranges(
+    conn: Connection,
+    stmts: _Stmts,
+    key: Mapping[str, Any],
+    ranges: Sequence[tuple[int, int, int]],
+    dead: bool,
+    until: int,
+) -> list[Any]:
+    """``read_ranges`` and ``set_ranges`` of what it read, in one statement (only where ``writable_cte``): each
+    partition's delivered offset moves to the last offset read, its range deadline to ``until``.
+
+        WITH read AS (<read_ranges' unnest LATERAL read>),
+             moved AS (UPDATE topic_offsets SET delivered_offset = last.top, range_until = :until
+                       FROM (SELECT partition, max(message_offset) AS top FROM read GROUP BY partition) AS last
+                       WHERE <the group's> AND partition = last.partition)
+        SELECT * FROM read ORDER BY partition, message_offset
+    """
+    params = {
+        **key,
+        "parts": [p for p, _, _ in ranges],
+        "afters": [a for _, a, _ in ranges],
+        "uptos": [b for _, _, b in ranges],
+        "until": until,
+    }
+    return list(conn.execute(stmts.memo(_read_and_move_ranges, dead), params).all())
+
+
+def _read_and_move_ranges(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
+    off = stmts.tables.offsets
+    read = _read_ranges_unnest(stmts, dead).order_by(None).cte("read")
+    last = (
+        sa.select(read.c.partition, sa.func.max(read.c.message_offset).label("top"))
+        .group_by(read.c.partition)
+        .subquery("last")
+    )
+    moved = (
+        sa.update(off)
+        .where(_group_offsets(stmts), off.c.partition == last.c.partition)
+        .values(delivered_offset=last.c.top, range_until=sa.bindparam("until", type_=sa.BigInteger))
+        .cte("moved")
+    )
+    return sa.select(read).add_cte(moved).order_by(read.c.partition, read.c.message_offset)
+
+
 def set_ranges(conn: Connection, stmts: _Stmts, key: Mapping[str, Any], sent: Mapping[int, int], until: int) -> None:
     """Set each partition's delivered offset (``sent``: partition -> offset) and the range deadline ``until``.
 

@@ -435,6 +435,12 @@ class TopicStatements(Memo):
         """See ``_backends.read_ranges``."""
         return _backends.read_ranges(conn, self, key, ranges, dead)
 
+    def read_and_move_ranges(
+        self, conn: Connection, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool, until: int
+    ) -> list[Any]:
+        """See ``_backends.read_and_move_ranges``."""
+        return _backends.read_and_move_ranges(conn, self, key, ranges, dead, until)
+
     def set_ranges(self, conn: Connection, key: Mapping[str, Any], sent: Mapping[int, int], until: int) -> None:
         """See ``_backends.set_ranges``."""
         _backends.set_ranges(conn, self, key, sent, until)

@@ -756,7 +756,14 @@ class Subscription:
         out: list[TopicDelivery] = []
         sent: dict[int, int] = {}
         doomed: list[tuple[int, Any, str]] = []
-        for row in stmts.read_ranges(conn, g, ranges, self.topic.endswith(DLQ_SUFFIX)):  # (its failure columns)
+        dead = self.topic.endswith(DLQ_SUFFIX)  # (its failure columns)
+        moving = stmts.kind.writable_cte  # the ranges moved by the read itself
+        rows = (
+            stmts.read_and_move_ranges(conn, g, ranges, dead, until)
+            if moving
+            else stmts.read_ranges(conn, g, ranges, dead)
+        )
+        for row in rows:
             p = int(row.partition)
             sent[p] = int(row.message_offset)
             try:
@@ -766,7 +773,7 @@ class Subscription:
                     doomed.append((p, row, str(exc)))
                 continue
             out.append(self._delivery(row, p, epochs[p], 1, until, payload))
-        if sent:
+        if sent and not moving:
             stmts.set_ranges(conn, g, sent, until)
         for p, row, error in doomed:
             self._bury_fresh(conn, stmts, self._key(p), row, now, error)
