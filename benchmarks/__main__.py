@@ -46,6 +46,7 @@ from benchmarks import processes as process_bench
 from benchmarks import stack as stack_bench
 from benchmarks import topic_pickup as topic_pickup_bench
 from benchmarks import topics as topics_bench
+from benchmarks.ceiling import BARE_RUNS, CPU_RUNS, three_way
 from benchmarks.metrics import overhead as metrics_overhead
 from delayq import DelayedQueue, Delivery, Handler, Worker, migrations
 
@@ -116,11 +117,6 @@ class LostMessages(AssertionError):
 
 
 T = TypeVar("T")
-
-
-CPU_RUNS: list[tuple[float, float]] = []
-"""(delayq, ceiling) CPU seconds per message of each run of the scenario being measured; ``measure``
-empties it before a scenario and reports it after (scenarios that measure it append to it)."""
 
 
 class CpuTally:
@@ -510,28 +506,6 @@ def worker_drain(
 # delayq, the same statements by hand on SQLAlchemy Core (benchmarks/stack.py) and the bare driver
 # (benchmarks/ceiling.py) take turns call by call, the order rotating, so each ratio is measured in
 # one stretch of the shared machine's time. The Figure's ceiling is the stack; ``bare`` beside it.
-BARE_RUNS: list[tuple[float, float, float]] = []
-"""(stack rate, bare rate, bare CPU s/msg) of each run of the stack scenario being measured."""
-
-
-def three_way(n: int, calls: list[Callable[[int], object]], per_call: int = 1) -> tuple[float, float, list[float]]:
-    """Run ``calls`` = [delayq, stack, bare], each ``n // per_call`` times (argument: the call's index), in
-    rotating order; (delayq rate, stack rate) of ``n`` messages each, the bare figures in ``BARE_RUNS``."""
-    seconds, cpu = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
-    for i in range(n // per_call):
-        for j in range(3):
-            side = (i + j) % 3
-            fn = calls[side]
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn(i)
-            seconds[side] += time.perf_counter() - t0
-            cpu[side] += time.process_time() - c0
-    done = (n // per_call) * per_call
-    CPU_RUNS.append((cpu[0] / done, cpu[1] / done))
-    BARE_RUNS.append((done / seconds[1], done / seconds[2], cpu[2] / done))
-    return done / seconds[0], done / seconds[1], []
-
-
 def stack_offer(
     engine: sa.Engine, q: DelayedQueue, stack: stack_bench.Stack, n: int
 ) -> tuple[float, float, list[float]]:

@@ -24,6 +24,40 @@ NOW_MS = {
 }
 
 
+CPU_RUNS: list[tuple[float, float]] = []
+"""(delayq, ceiling) CPU seconds per message of each run of the scenario being measured; ``measure``
+empties it before a scenario and reports it after (scenarios that measure it append to it)."""
+
+# delayq, the same statements by hand on SQLAlchemy (benchmarks/stack.py, the topic ceilings' stack
+# connection) and the bare driver take turns call by call, the order rotating, so each ratio is measured in
+# one stretch of the shared machine's time. The Figure's ceiling is the stack; ``bare`` beside it.
+BARE_RUNS: list[tuple[float, float, float]] = []
+"""(stack rate, bare rate, bare CPU s/msg) of each run of the stack scenario being measured."""
+
+
+def three_way(n: int, calls: list[Callable[[int], object]], per_call: int = 1) -> tuple[float, float, list[float]]:
+    """Run ``calls`` = [delayq, stack, bare], each ``n // per_call`` times (argument: the call's index), in
+    rotating order; (delayq rate, stack rate, delayq's call times) of ``n`` messages each, the bare figures
+    in ``BARE_RUNS``."""
+    seconds, cpu = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    ours: list[float] = []
+    for i in range(n // per_call):
+        for j in range(3):
+            side = (i + j) % 3
+            fn = calls[side]
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn(i)
+            took = time.perf_counter() - t0
+            seconds[side] += took
+            cpu[side] += time.process_time() - c0
+            if side == 0:
+                ours.append(took)
+    done = (n // per_call) * per_call
+    CPU_RUNS.append((cpu[0] / done, cpu[1] / done))
+    BARE_RUNS.append((done / seconds[1], done / seconds[2], cpu[2] / done))
+    return done / seconds[0], done / seconds[1], ours
+
+
 def connect(engine: sa.Engine, autocommit: bool) -> Raw:
     """A driver connection of its own, outside SQLAlchemy's pool."""
     cargs, cparams = engine.dialect.create_connect_args(engine.url)
