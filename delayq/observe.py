@@ -108,6 +108,11 @@ class Observer:
         read only while an observer overrides ``topic_publishing``); the result comes back to ``topic_finished``."""
         return None
 
+    def topic_running(self, state: object) -> AbstractContextManager[None] | None:
+        """A context manager to run around the topic handler's call, in its thread or task (what
+        ``topic_started`` returned is ``state``), or None."""
+        return None
+
     def topic_finished(
         self, delivery: TopicDelivery, group: str, state: object, error: BaseException | None, duration: float
     ) -> None:

@@ -101,6 +101,13 @@ class Tracing(observe.Observer):
             },
         )
 
+    def topic_running(self, state: object) -> AbstractContextManager[None]:
+        # The span current while the handler runs: its own spans and logs nest under it.
+        span = cast("trace.Span", state)
+        # (the outcome, and an error with it, are recorded by topic_finished)
+        found = trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+        return cast("AbstractContextManager[None]", found)
+
     def topic_finished(
         self, delivery: TopicDelivery, group: str, state: object, error: BaseException | None, duration: float
     ) -> None:

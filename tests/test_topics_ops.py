@@ -334,6 +334,59 @@ def test_a_topic_handlers_span_links_to_the_publish(
     assert processes["order-1"].status.status_code is not StatusCode.ERROR
 
 
+@pytest.mark.parametrize("kind", ["threads", "asyncio", "asyncio, a sync handler"])
+def test_a_topic_handlers_own_spans_nest_under_its_process_span(
+    backend: Backend, topic_name: str, traced: tuple[TracerProvider, InMemorySpanExporter], kind: str
+) -> None:
+    import asyncio
+
+    from conftest import make_async_engine
+
+    from delayq.aio import AsyncWorker
+
+    provider, exporter = traced
+    app = provider.get_tracer("app")
+    topic = Topic(backend.engine, topic_name)
+    topic.create(2)
+    topic.publish_many([("a", "m1", 1), ("b", "m2", 2)])
+
+    def body(d: TopicDelivery) -> None:
+        with app.start_as_current_span(f"charge {d.message_id}"):
+            pass
+
+    async def handle(self: TopicHandler, d: TopicDelivery, conn: Any = None) -> None:
+        await asyncio.sleep(0)
+        body(d)
+
+    if kind == "threads":
+        assert Worker(backend.engine, [handler(topic_name, body)]).run_once() == 2
+    else:
+        h = handler(topic_name, body)
+        if kind == "asyncio":
+            h = type("Charging", (TopicHandler,), {"topic": topic_name, "group": "g", "handle": handle})()
+        h.lease_duration = 3 * SECOND
+
+        async def main() -> None:
+            engine = make_async_engine(backend.url)
+            worker = AsyncWorker(engine, [h], poll_interval=0.05 * SECOND, listen=False)
+            worker.start()
+            try:
+                deadline = time.monotonic() + 30
+                while len([s for s in exporter.get_finished_spans() if s.name.startswith("process")]) < 2:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            finally:
+                assert await worker.stop()
+                await engine.dispose()
+
+        asyncio.run(main())
+    spans = exporter.get_finished_spans()
+    processes = {s.attributes["messaging.message.conversation_id"]: s for s in spans if s.name.startswith("process")}  # type: ignore[index]
+    for key, mid in (("a", "m1"), ("b", "m2")):
+        [charge] = [s for s in spans if s.name == f"charge {mid}"]
+        assert charge.parent is not None and charge.parent.span_id == processes[key].context.span_id
+
+
 def test_top_shows_topics_with_their_groups_lag_and_rates(engine: sa.Engine, topic_name: str) -> None:
     topic = Topic(engine, topic_name)
     topic.create(2)

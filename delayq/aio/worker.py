@@ -633,13 +633,14 @@ class AsyncWorker:
             try:
                 self._in_handler.add(id(job))
                 try:
-                    if handler.transactional:
-                        if not await self._handle_topic_in_transaction(consumer, job):
-                            await self._bounded(consumer.forget, job, done)
-                            return
-                    else:
-                        handle = cast(Callable[[Any], Awaitable[None]], handler.handle)  # async: checked at init
-                        await handle(job.delivery)
+                    with topic_observe.running(job):
+                        if handler.transactional:
+                            if not await self._handle_topic_in_transaction(consumer, job):
+                                await self._bounded(consumer.forget, job, done)
+                                return
+                        else:
+                            handle = cast(Callable[[Any], Awaitable[None]], handler.handle)  # async: checked at init
+                            await handle(job.delivery)
                 finally:
                     self._in_handler.discard(id(job))
             except asyncio.CancelledError:
@@ -671,7 +672,8 @@ class AsyncWorker:
         """A sync topic handler, run on a thread (``asyncio.to_thread``). A thread cannot be stopped: past its
         ``timeout`` it is reported, not cancelled, and if its task is cancelled (``run()`` cancelled, the loop
         ending) the delivery stays held until the thread returns; its outcome is then recorded as usual."""
-        thread = asyncio.ensure_future(asyncio.to_thread(consumer.handler.handle, job.delivery))
+        with topic_observe.running(job):  # (the task copies the context: the thread runs in it)
+            thread = asyncio.ensure_future(asyncio.to_thread(consumer.handler.handle, job.delivery))
         cancelled: asyncio.CancelledError | None = None
         self._in_thread.add(id(job))
         try:

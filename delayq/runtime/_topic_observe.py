@@ -8,8 +8,10 @@ on the job: the topic source's records stay as they are.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from delayq import observe
@@ -48,6 +50,23 @@ def started(consumer: _Consumer, job: _Job) -> None:
     states = [(o, o.topic_started(d, group, headers)) for o in observers]
     with _lock:
         _open[id(job)] = (states, time.perf_counter(), [None])
+
+
+@contextlib.contextmanager
+def running(job: _Job) -> Iterator[None]:
+    """Around the handler's call, in its thread or task: what the observers run there (tracing: the
+    delivery's span made current)."""
+    with _lock:
+        found = _open.get(id(job))
+    if found is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for o, state in found[0]:
+            around = o.topic_running(state)
+            if around is not None:
+                stack.enter_context(around)
+        yield
 
 
 def outcome(consumer: _Consumer, job: _Job, event: observe.TopicEvent, error: BaseException | None) -> None:

@@ -202,10 +202,11 @@ class TopicConsumer:
 
         try:
             try:
-                if handler.transactional:
-                    self.sub.handle_exactly_once(d, in_transaction)
-                else:
-                    handler.handle(d)
+                with _observe.running(job):
+                    if handler.transactional:
+                        self.sub.handle_exactly_once(d, in_transaction)
+                    else:
+                        handler.handle(d)
             except LeaseLostError:
                 job.finishing = True
                 _observe.outcome(self, job, "lease_lost", None)
