@@ -141,12 +141,7 @@ def read_ranges(
     """
     if stmts.kind.arrays:
         # Three arrays joined LATERAL to the range scan: one statement text whatever the batch.
-        params = {
-            "topic_name": key["topic_name"],
-            "parts": [p for p, _, _ in ranges],
-            "afters": [a for _, a, _ in ranges],
-            "uptos": [b for _, _, b in ranges],
-        }
+        params = {"topic_name": key["topic_name"], **_range_arrays(ranges)}
         return list(conn.execute(stmts.memo(_read_ranges_unnest, dead), params).all())
     out: list[Any] = []
     for start in range(0, len(ranges), RANGE_SLOTS):
@@ -177,14 +172,18 @@ def read_and_move_ranges(
                        WHERE <the group's> AND partition = last.partition)
         SELECT * FROM read ORDER BY partition, message_offset
     """
-    params = {
-        **key,
+    params = {**key, **_range_arrays(ranges), "until": until}
+    return list(conn.execute(stmts.memo(_read_and_move_ranges, dead), params).all())
+
+
+def _range_arrays(ranges: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
+    """``ranges`` as the arrays ``_read_ranges_unnest`` binds, and the widest range's width."""
+    return {
         "parts": [p for p, _, _ in ranges],
         "afters": [a for _, a, _ in ranges],
         "uptos": [b for _, _, b in ranges],
-        "until": until,
+        "width": max(b - a for _, a, b in ranges),
     }
-    return list(conn.execute(stmts.memo(_read_and_move_ranges, dead), params).all())
 
 
 def _read_and_move_ranges(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
@@ -195,9 +194,11 @@ def _read_and_move_ranges(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
         .group_by(read.c.partition)
         .subquery("last")
     )
+    parts = sa.bindparam("parts", type_=sa.ARRAY(sa.Integer))
     moved = (
         sa.update(off)
-        .where(_group_offsets(stmts), off.c.partition == last.c.partition)
+        # (the ANY: the offsets rows by primary key, not the group's every row joined to the few moved)
+        .where(_group_offsets(stmts), off.c.partition == sa.any_(parts), off.c.partition == last.c.partition)
         .values(delivered_offset=last.c.top, range_until=sa.bindparam("until", type_=sa.BigInteger))
         .cte("moved")
     )
@@ -336,6 +337,11 @@ def _read_ranges_unnest(stmts: _Stmts, dead: bool) -> sa.Select[Any]:
             log.c.message_offset > asked.c.afters,
             log.c.message_offset <= asked.c.uptos,
         )
+        # A LIMIT (the widest range: it cuts nothing) keeps the LATERAL a loop of primary-key range scans,
+        # one per partition, whatever the statistics: without one PostgreSQL may flatten it into a join that
+        # reads every log row of the topic (a table analyzed while small: a hash join over all of them).
+        .order_by(log.c.message_offset)
+        .limit(sa.bindparam("width", type_=sa.Integer))
         .lateral("found")
     )
     return (
