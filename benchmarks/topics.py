@@ -73,54 +73,83 @@ VIAS = ("stack", "bare")
 
 
 class StackCursor:
-    """The cursor calls the ceilings make, on a SQLAlchemy ``Connection``: each SQL text, its placeholders
-    made named bind parameters, as one ``sa.text`` construct (compiled once, then found in SQLAlchemy's
-    statement cache as delayq's are); ``BEGIN``/``COMMIT`` sent as they are."""
+    """The cursor calls the ceilings make, run by a ``StackConnection`` (results read whole)."""
 
-    def __init__(self, conn: sa.Connection, placeholder: str) -> None:
-        self.conn, self.placeholder = conn, placeholder
-        self.result: sa.CursorResult[Any] | None = None
+    def __init__(self, owner: StackConnection) -> None:
+        self.owner = owner
+        self.rows: list[Any] = []
+        self.rowcount = -1
 
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
-        if not params:
-            self.result = self.conn.exec_driver_sql(sql)
-            return
-        self.result = self.conn.execute(_text(sql, self.placeholder), {f"b{i}": v for i, v in enumerate(params)})
+        self.rows, self.rowcount = self.owner.run(sql, params)
+
+    def executemany(self, sql: str, params: list[tuple[Any, ...]]) -> None:
+        self.rows, self.rowcount = self.owner.run(sql, params)
 
     def fetchall(self) -> list[Any]:
-        assert self.result is not None
-        return list(self.result.fetchall())
-
-    @property
-    def rowcount(self) -> int:
-        assert self.result is not None
-        return self.result.rowcount
+        return self.rows
 
 
 class StackConnection:
-    """A ceiling's connection on SQLAlchemy's stack, begun as ``ceiling.connect`` begins its DBAPI one:
-    autocommit (explicit ``BEGIN``/``COMMIT`` text where the ceiling sends them) on PostgreSQL and SQLite;
-    on MySQL/MariaDB READ COMMITTED, autocommit or transactions ended by ``commit()``."""
+    """A ceiling's connection on SQLAlchemy's stack, the plainest way it allows, as ``benchmarks/stack.py``
+    runs the queue's: a pooled ``Connection`` checked out per transaction (per statement in autocommit),
+    begun as ``ceiling.connect`` begins its DBAPI one (autocommit, with explicit ``BEGIN``/``COMMIT`` text
+    where the ceiling sends them, on PostgreSQL and SQLite; on MySQL/MariaDB READ COMMITTED, autocommit or
+    transactions ended by ``commit()``); each SQL text, its placeholders made named bind parameters, one
+    ``sa.text`` construct (compiled once, then found in SQLAlchemy's statement cache as delayq's are)."""
 
     def __init__(self, engine: sa.Engine, autocommit: bool) -> None:
-        name = engine.dialect.name
-        conn = engine.connect()
-        if name == "mysql" and not autocommit:
-            conn = conn.execution_options(isolation_level="READ COMMITTED")
-        else:
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        if name == "sqlite":
-            conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
-        self.conn = conn
+        self.engine = engine
+        self.isolation = "READ COMMITTED" if engine.dialect.name == "mysql" and not autocommit else "AUTOCOMMIT"
+        self.placeholder = "?" if engine.dialect.name == "sqlite" else "%s"
+        self.conn: sa.Connection | None = None  # held from BEGIN (or a transaction's first statement) to its end
 
     def cursor(self) -> StackCursor:
-        return StackCursor(self.conn, "?" if self.conn.dialect.name == "sqlite" else "%s")
+        return StackCursor(self)
+
+    def run(self, sql: str, params: tuple[Any, ...] | list[tuple[Any, ...]]) -> tuple[list[Any], int]:
+        """Run one statement (a list of parameter tuples: executemany): its rows and row count."""
+        held = self.conn is not None
+        conn = self.conn if self.conn is not None else self._checkout()
+        try:
+            if isinstance(params, list):
+                named = [{f"b{i}": v for i, v in enumerate(row)} for row in params]
+                result = conn.execute(_text(sql, self.placeholder), named)
+            elif params:
+                result = conn.execute(_text(sql, self.placeholder), {f"b{i}": v for i, v in enumerate(params)})
+            else:
+                result = conn.exec_driver_sql(sql)
+            found = (list(result.fetchall()) if result.returns_rows else []), result.rowcount
+        except BaseException:
+            self.close()
+            if not held:
+                conn.close()
+            raise
+        if sql.startswith("BEGIN") or (not held and self.isolation != "AUTOCOMMIT"):
+            self.conn = conn  # the transaction goes on
+        elif sql == "COMMIT":
+            self.close()
+        elif not held:
+            conn.close()
+        return found
+
+    def _checkout(self) -> sa.Connection:
+        conn = self.engine.connect().execution_options(isolation_level=self.isolation)
+        info = conn.connection.info
+        if self.engine.dialect.name == "sqlite" and not info.get("busy_timeout"):
+            conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
+            info["busy_timeout"] = True
+        return conn
 
     def commit(self) -> None:
-        self.conn.commit()
+        if self.conn is not None:
+            self.conn.commit()
+        self.close()
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 @functools.cache
@@ -321,10 +350,10 @@ class CeilingPublisher:
                 (list(heads), list(heads.values()), TOPIC),
             )
         else:
-            values = ", ".join([f"({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, 'json', {ph})"] * len(rows))
-            cur.execute(
-                f"INSERT INTO {self.log_table} ({cols}) VALUES {values}",
-                [v for part, o, k, mid, b in rows for v in (TOPIC, part, o, k, mid, b, now)],
+            # One executemany of a one-row INSERT: MySQLdb sends it as one multi-row INSERT, sqlite3 loops in C.
+            cur.executemany(
+                f"INSERT INTO {self.log_table} ({cols}) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, 'json', {ph})",
+                [(TOPIC, part, o, k, mid, b, now) for part, o, k, mid, b in rows],
             )
             case = " ".join([f"WHEN {ph} THEN {ph}"] * len(heads))
             cur.execute(
