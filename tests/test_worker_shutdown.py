@@ -105,14 +105,7 @@ def test_a_stopped_worker_process_never_hands_over_a_message_its_handler_still_r
     tmp_path: Path,
     processes: list[subprocess.Popen[bytes]],
     driver: str,
-    request: pytest.FixtureRequest,
 ) -> None:
-    if driver == "asyncio" and backend.name == "mysql":
-        # An open bug, seen twice in full runs under load (never alone): the asyncio worker on MariaDB sometimes
-        # does not exit within 30 s of SIGTERM once its handler outlived the shutdown timeout. Nothing is run
-        # twice meanwhile (the process lives, holding its message); the exit itself hangs. Not strict: it passes
-        # when the exit comes in time.
-        request.applymarker(pytest.mark.xfail(reason="asyncio worker on MariaDB: exit after SIGTERM may hang"))
     name = f"s-{uuid.uuid4().hex[:12]}"
     if kind == "queue":
         DelayedQueue(backend.engine, name).offer("job", 1)

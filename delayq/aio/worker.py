@@ -358,7 +358,7 @@ class AsyncWorker:
         """Extend the locks held, half a visibility timeout before they would expire; cancel the handlers past
         their timeout."""
         errors = 0
-        while True:
+        while not _asked_to_end():  # (it outlives run() while a keeper runs: asyncio.run's end cancels it)
             self._cancel_overdue()
             try:
                 ok = await self._call(self._core.beat)
@@ -478,7 +478,7 @@ class AsyncWorker:
     async def _listen_task(self) -> None:
         errors = 0
         wakes = self._core.wakes
-        while True:
+        while not _asked_to_end():
             try:
                 listener = dialect_for(self.engine).listen_async(self.async_engine, self._core.channel, cancels=True)
                 async for name in listener:
@@ -870,6 +870,17 @@ class AsyncWorker:
                 loop.remove_signal_handler(s)
 
         return restore
+
+
+def _asked_to_end() -> bool:
+    """Whether the running task was cancelled, even if the ``CancelledError`` never reached it: the loops that
+    only a cancellation ends check this each round. On Python 3.11 an ``asyncio.wait_for`` whose call completes
+    in the loop turn of the cancellation returns the result and drops the error (asyncmy connects inside one, and
+    a heartbeat after ``engine.dispose()`` connects anew); the request stays counted (``Task.cancelling``).
+    Without this, that heartbeat would go on beating, and ``asyncio.run``, which waits for the tasks it cancels
+    at its end, would never return."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _record_failure(job: Job, exc: Exception) -> None:
