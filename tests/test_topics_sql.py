@@ -176,3 +176,12 @@ def test_the_range_reads_lateral_keeps_a_limit_so_it_stays_a_loop_of_range_scans
         built("postgresql", _backends._read_and_move_ranges, False),
     ):
         assert "ORDER BY bench_topic_log.message_offset LIMIT %(width)s" in sql.replace("delayq_", "bench_")
+
+
+def test_a_batchs_log_rows_are_five_arrays_on_postgresql() -> None:
+    sql = built("postgresql", _backends._insert_log_unnest)
+    assert sql.startswith("INSERT INTO delayq_topic_log (topic, partition, message_offset, partition_key, message_id,")
+    assert (
+        "FROM unnest(%(parts)s::INTEGER[], %(offsets)s::BIGINT[], %(keys)s::VARCHAR[], %(ids)s::VARCHAR[],"
+        " %(payloads)s::BYTEA[]) AS appended(parts, offsets, keys, ids, payloads)"
+    ) in sql

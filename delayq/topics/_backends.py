@@ -36,6 +36,8 @@ class _Stmts(Protocol):
     @property
     def ack_in_order(self) -> sa.Executable: ...
     @property
+    def insert_log(self) -> sa.Insert: ...
+    @property
     def now_expr(self) -> sa.ColumnElement[int]: ...
 
     def memo(self, build: Callable[..., S], *args: Any) -> S: ...
@@ -62,6 +64,59 @@ def existing_ids(conn: Connection, stmts: _Stmts, topic: str, pairs: Sequence[tu
         return {(r.partition_key, r.message_id) for r in conn.execute(stmts.memo(_existing_ids_unnest), params)}
     rows = conn.execute(stmts.existing_ids, {"topic_name": topic, "pairs": list(pairs)})
     return {(r.partition_key, r.message_id) for r in rows}
+
+
+def insert_log_rows(
+    conn: Connection,
+    stmts: _Stmts,
+    topic: str,
+    payload_type: str,
+    now: int,
+    rows: Sequence[tuple[int, int, str, str, bytes, Mapping[str, Any] | None]],
+) -> None:
+    """Insert log rows, each (partition, offset, partition key, message id, payload, its other columns or None).
+
+    The shared shape: one executemany of the INSERT (SQLAlchemy sends it as multi-row VALUES). PostgreSQL,
+    rows without other columns: ``INSERT … SELECT :topic, … FROM unnest(:parts, :offsets, :keys, :ids,
+    :payloads)``, five arrays whatever the batch (a tenth of the client's work per row).
+    """
+    if stmts.kind.arrays and all(r[5] is None for r in rows):
+        columns = list(zip(*(r[:5] for r in rows), strict=True))
+        params = {"topic_name": topic, "ptype": payload_type, "now_v": now}
+        params.update(zip(("parts", "offsets", "keys", "ids", "payloads"), map(list, columns), strict=True))
+        conn.execute(stmts.memo(_insert_log_unnest), params)
+        return
+    named = ("partition", "message_offset", "partition_key", "message_id", "payload")
+    values = [
+        {"topic": topic, "payload_type": payload_type, "published_at": now, **dict(zip(named, r[:5], strict=True))}
+        | dict(r[5] or {})
+        for r in rows
+    ]
+    conn.execute(stmts.insert_log, values)
+
+
+def _insert_log_unnest(stmts: _Stmts) -> sa.Insert:
+    log = stmts.tables.log
+    appended = stmts.kind.unnest(
+        "appended",
+        ("parts", sa.Integer()),
+        ("offsets", sa.BigInteger()),
+        ("keys", sa.String()),
+        ("ids", sa.String()),
+        ("payloads", sa.LargeBinary()),
+    )
+    row = sa.select(
+        sa.bindparam("topic_name", type_=sa.String),
+        appended.c.parts,
+        appended.c.offsets,
+        appended.c["keys"],
+        appended.c.ids,
+        appended.c.payloads,
+        sa.bindparam("ptype", type_=sa.String),
+        sa.bindparam("now_v", type_=sa.BigInteger),
+    )
+    names = ["topic", "partition", "message_offset", "partition_key", "message_id", "payload", "payload_type"]
+    return sa.insert(log).from_select([*names, "published_at"], row)
 
 
 def set_heads(conn: Connection, stmts: _Stmts, topic: str, heads: Mapping[int, int]) -> None:

@@ -73,28 +73,16 @@ def append_offsets(
     now = int(locked[0].now)
     existing = stmts.existing_ids_of(conn, topic, list({(k, mid) for _, k, mid, _ in items}))
     created: list[int | None] = []
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[int, int, str, str, bytes, dict[str, Any] | None]] = []
     for i, (partition, k, mid, payload) in enumerate(items):
         if (k, mid) in existing:
             created.append(None)
             continue
         existing.add((k, mid))
         heads[partition] += 1
-        rows.append(
-            {
-                "topic": topic,
-                "partition": partition,
-                "message_offset": heads[partition],
-                "partition_key": k,
-                "message_id": mid,
-                "payload": payload,
-                "payload_type": payload_type,
-                "published_at": now,
-                **(extra[i] if extra is not None else {}),
-            }
-        )
+        rows.append((partition, heads[partition], k, mid, payload, extra[i] if extra is not None else None))
         created.append(heads[partition])
     if rows:
-        conn.execute(stmts.insert_log, rows)
-        stmts.set_heads(conn, topic, {p: heads[p] for p in {r["partition"] for r in rows}})
+        stmts.insert_log_rows(conn, topic, payload_type, now, rows)
+        stmts.set_heads(conn, topic, {p: heads[p] for p in {r[0] for r in rows}})
     return created

@@ -435,6 +435,17 @@ class TopicStatements(Memo):
         """See ``_backends.read_ranges``."""
         return _backends.read_ranges(conn, self, key, ranges, dead)
 
+    def insert_log_rows(
+        self,
+        conn: Connection,
+        topic: str,
+        payload_type: str,
+        now: int,
+        rows: Sequence[tuple[int, int, str, str, bytes, Mapping[str, Any] | None]],
+    ) -> None:
+        """See ``_backends.insert_log_rows``."""
+        _backends.insert_log_rows(conn, self, topic, payload_type, now, rows)
+
     def read_and_move_ranges(
         self, conn: Connection, key: Mapping[str, Any], ranges: Sequence[tuple[int, int, int]], dead: bool, until: int
     ) -> list[Any]:

@@ -772,7 +772,7 @@ class Subscription:
                 if has_dead_letter_topic(self.topic):  # else no dead-letter topic: it stays in flight, undelivered
                     doomed.append((p, row, str(exc)))
                 continue
-            out.append(self._delivery(row, p, epochs[p], 1, until, payload))
+            out.append(self._delivery(row, p, epochs[p], 1, until, payload, dead))
         if sent and not moving:
             stmts.set_ranges(conn, g, sent, until)
         for p, row, error in doomed:
@@ -899,9 +899,13 @@ class Subscription:
         except (TypeError, ValueError) as exc:
             raise SerializationMismatchError(f"message {row.message_id!r} of topic {self.topic!r}: {exc}") from exc
 
-    def _delivery(self, row: Any, partition: int, epoch: int, attempts: int, until: int, payload: Any) -> TopicDelivery:
+    def _delivery(
+        self, row: Any, partition: int, epoch: int, attempts: int, until: int, payload: Any, failure: bool = True
+    ) -> TopicDelivery:
+        """A delivery of the log row ``row``; ``failure``: whether it has the failure columns (a range read has
+        them for a dead-letter topic only)."""
         dead = None
-        if getattr(row, "original_topic", None) is not None:  # (read for dead-letter topics only)
+        if failure and row.original_topic is not None:  # (a message of a dead-letter topic)
             dead = DeadLetterInfo(
                 row.original_topic,
                 int(row.original_offset),
