@@ -350,10 +350,11 @@ class CeilingPublisher:
                 (list(heads), list(heads.values()), TOPIC),
             )
         else:
-            # One executemany of a one-row INSERT: MySQLdb sends it as one multi-row INSERT, sqlite3 loops in C.
+            # One executemany of a one-row INSERT: MySQLdb sends it as one multi-row INSERT (when the VALUES hold
+            # placeholders only), sqlite3 loops in C.
             cur.executemany(
-                f"INSERT INTO {self.log_table} ({cols}) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, 'json', {ph})",
-                [(TOPIC, part, o, k, mid, b, now) for part, o, k, mid, b in rows],
+                f"INSERT INTO {self.log_table} ({cols}) VALUES ({', '.join([ph] * 8)})",
+                [(TOPIC, part, o, k, mid, b, "json", now) for part, o, k, mid, b in rows],
             )
             case = " ".join([f"WHEN {ph} THEN {ph}"] * len(heads))
             cur.execute(
