@@ -30,7 +30,7 @@ from delayq.messages import QueueStats
 from delayq.queue import DelayedQueue, _views, claimed_at
 from delayq.schema import DEFAULT_PREFIX, make_tables
 from delayq.serializers import BytesSerializer
-from delayq.topics.views import GroupSummary, list_groups, list_topics
+from delayq.topics.views import GroupSummary, groups_by_topic, list_topics
 
 __all__ = ["Failure", "QueueRow", "Snapshot", "Top", "TopicRow", "render"]
 
@@ -128,10 +128,9 @@ class Top:
     def _topics(self) -> list[TopicRow]:
         found: list[TopicRow] = []
         clock = time.monotonic()
+        of_topic = groups_by_topic(self.engine, table_prefix=self.prefix, schema=self.schema)
         for t in list_topics(self.engine, table_prefix=self.prefix, schema=self.schema):
-            groups: list[GroupSummary | None] = [
-                *list_groups(self.engine, t.topic, table_prefix=self.prefix, schema=self.schema)
-            ]
+            groups: list[GroupSummary | None] = [*of_topic.get(t.topic, [])]
             for g in groups or [None]:
                 key = (t.topic, None if g is None else g.group)
                 lag = 0 if g is None else g.lag

@@ -59,13 +59,25 @@ def _in_flight(conn: sa.Connection, t: TopicTables, topic: str, group: str | Non
     """Deliveries in flight per (group, partition) of ``topic`` (of ``group`` alone when given): the pending
     rows above the watermark, plus the offsets of the in-flight range that have no row (counted by offsets;
     docs/topics.md, "Delivery state")."""
+    return {(g, p): n for (_, g, p), n in _in_flight_of(conn, t, topic, group).items()}
+
+
+def _in_flight_of(
+    conn: sa.Connection, t: TopicTables, topic: str | None, group: str | None
+) -> dict[tuple[str, str, int], int]:
+    """``_in_flight`` per (topic, group, partition), of every topic when ``topic`` is None."""
     off, dl = t.offsets, t.deliveries
     same = sa.and_(
         dl.c.consumer_group == off.c.consumer_group, dl.c.topic == off.c.topic, dl.c.partition == off.c.partition
     )
     above = dl.c.message_offset > off.c.acked_offset
+    only = (
+        *(() if topic is None else (off.c.topic == topic,)),
+        *(() if group is None else (off.c.consumer_group == group,)),
+    )
     counts = (
         sa.select(
+            off.c.topic,
             off.c.consumer_group,
             off.c.partition,
             sa.func.sum(sa.case((sa.and_(above, dl.c.status == PENDING), 1), else_=0)).label("pending_rows"),
@@ -74,20 +86,18 @@ def _in_flight(conn: sa.Connection, t: TopicTables, topic: str, group: str | Non
             ),
         )
         .select_from(off.join(dl, same))
-        .where(off.c.topic == topic, *(() if group is None else (off.c.consumer_group == group,)))
-        .group_by(off.c.consumer_group, off.c.partition)
+        .where(*only)
+        .group_by(off.c.topic, off.c.consumer_group, off.c.partition)
     )
-    ranges = sa.select(off.c.consumer_group, off.c.partition, off.c.acked_offset, off.c.delivered_offset).where(
-        off.c.topic == topic,
-        off.c.delivered_offset > off.c.acked_offset,
-        *(() if group is None else (off.c.consumer_group == group,)),
-    )
-    found: dict[tuple[str, int], int] = {}
-    rows = {(r.consumer_group, int(r.partition)): r for r in conn.execute(counts)}
-    for r in rows.values():
-        found[(r.consumer_group, int(r.partition))] = int(r.pending_rows or 0)
+    ranges = sa.select(
+        off.c.topic, off.c.consumer_group, off.c.partition, off.c.acked_offset, off.c.delivered_offset
+    ).where(off.c.delivered_offset > off.c.acked_offset, *only)
+    found: dict[tuple[str, str, int], int] = {}
+    rows = {(r.topic, r.consumer_group, int(r.partition)): r for r in conn.execute(counts)}
+    for k, r in rows.items():
+        found[k] = int(r.pending_rows or 0)
     for r in conn.execute(ranges):
-        k = (r.consumer_group, int(r.partition))
+        k = (r.topic, r.consumer_group, int(r.partition))
         marked = rows.get(k)
         in_range = int(r.delivered_offset) - int(r.acked_offset) - (int(marked.range_rows or 0) if marked else 0)
         found[k] = found.get(k, 0) + max(0, in_range)
@@ -98,40 +108,46 @@ def list_groups(
     engine: Engine, topic: str, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
 ) -> list[GroupSummary]:
     """Every consumer group reading ``topic``, by name (three reads)."""
+    return groups_by_topic(engine, topic, table_prefix=table_prefix, schema=schema).get(topic, [])
+
+
+def groups_by_topic(
+    engine: Engine, topic: str | None = None, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None
+) -> dict[str, list[GroupSummary]]:
+    """The consumer groups of every topic (of ``topic`` alone when given), by topic and name: three reads
+    whatever the number of topics (``delayq top``)."""
     t = make_tables(table_prefix, schema).topics
     off, heads, sub = t.offsets, t.heads, t.subscribers
     progress = (
         sa.select(
+            off.c.topic,
             off.c.consumer_group,
             sa.func.count().label("partitions"),
             sa.func.sum(heads.c.head - off.c.acked_offset).label("lag"),
         )
         .select_from(off.join(heads, sa.and_(heads.c.topic == off.c.topic, heads.c.partition == off.c.partition)))
-        .where(off.c.topic == topic)
-        .group_by(off.c.consumer_group)
-        .order_by(off.c.consumer_group)
+        .where(*(() if topic is None else (off.c.topic == topic,)))
+        .group_by(off.c.topic, off.c.consumer_group)
+        .order_by(off.c.topic, off.c.consumer_group)
     )
     members = (
-        sa.select(sub.c.consumer_group, sa.func.count().label("n"))
-        .where(sub.c.topic == topic, sub.c.deregistered_at.is_(None))
-        .group_by(sub.c.consumer_group)
+        sa.select(sub.c.topic, sub.c.consumer_group, sa.func.count().label("n"))
+        .where(sub.c.deregistered_at.is_(None), *(() if topic is None else (sub.c.topic == topic,)))
+        .group_by(sub.c.topic, sub.c.consumer_group)
     )
     with engine.connect() as conn:
         found = conn.execute(progress).all()
-        in_flight: dict[str, int] = {}
-        for (g, _), n in _in_flight(conn, t, topic, None).items():
-            in_flight[g] = in_flight.get(g, 0) + n
-        live = {r.consumer_group: int(r.n) for r in conn.execute(members)}
-    return [
-        GroupSummary(
-            r.consumer_group,
-            int(r.partitions),
-            int(r.lag or 0),
-            in_flight.get(r.consumer_group, 0),
-            live.get(r.consumer_group, 0),
-        )
-        for r in found
-    ]
+        in_flight: dict[tuple[str, str], int] = {}
+        for (name, g, _), n in _in_flight_of(conn, t, topic, None).items():
+            in_flight[name, g] = in_flight.get((name, g), 0) + n
+        live = {(r.topic, r.consumer_group): int(r.n) for r in conn.execute(members)}
+    groups: dict[str, list[GroupSummary]] = {}
+    for r in found:
+        key = (r.topic, r.consumer_group)
+        lag, flying = int(r.lag or 0), in_flight.get(key, 0)
+        summary = GroupSummary(r.consumer_group, int(r.partitions), lag, flying, live.get(key, 0))
+        groups.setdefault(r.topic, []).append(summary)
+    return groups
 
 
 def list_topics(engine: Engine, *, table_prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> list[TopicSummary]:
