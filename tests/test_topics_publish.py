@@ -358,9 +358,10 @@ def test_a_spark_read_by_message_id_finds_that_id_only(engine: sa.Engine, backen
 def test_a_publish_of_an_id_committed_while_it_waited_is_ignored_and_leaves_no_gap(
     backend: Backend, topic_name: str
 ) -> None:
-    # On PostgreSQL a single publish is one statement whose id lookup reads the statement's snapshot: the
-    # same id committed by the transaction it waited for fails its INSERT, and it publishes again the
-    # general way (IGNORED), its head move undone with it. Elsewhere the general way waits and sees it.
+    # A single publish of delayq's own looks the id up inside its head's UPDATE (PostgreSQL: one statement;
+    # MariaDB: the UPDATE, then the INSERT at the head). A lookup that read from before its wait misses the
+    # id the transaction it waited for committed: its INSERT fails the unique constraint, and it publishes
+    # again the general way, which sees it (IGNORED), its head move undone with it.
     if backend.name == "sqlite":
         pytest.skip("SQLite has one writer: a publisher's open transaction stops every other write")
     engine = backend.engine

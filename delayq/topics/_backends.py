@@ -471,7 +471,7 @@ def publish_one(
     wake: tuple[str, str] | None = None,
 ) -> bool:
     """Publish one message in one statement, on its own (autocommitted: the head row stays locked for the
-    statement only); whether it was created (False: its id is in the log). Only where ``writable_cte``:
+    statement only); whether it was created (False: its id is in the log). Where ``writable_cte``:
 
         WITH moved AS (UPDATE topic_heads SET head = head + 1 WHERE topic = :t AND partition = :p
                         AND NOT EXISTS (SELECT 1 FROM topic_log WHERE topic = :t AND partition_key = :k
@@ -488,10 +488,47 @@ def publish_one(
     """
     partition, key, mid, payload = item
     params = {"topic_name": topic, "part": partition, "key": key, "mid": mid, "payload": payload, "ptype": payload_type}
+    if not stmts.kind.writable_cte:
+        # The same in two statements of the caller's transaction (``Topic.publish``'s own): the head moved
+        # unless the id is in the log, then the row at that head (the row this transaction just locked).
+        if conn.execute(stmts.memo(_move_head_unless_there), params).rowcount != 1:
+            return False
+        conn.execute(stmts.memo(_insert_at_head), params)
+        return True
     if wake is None:
         return conn.execute(stmts.memo(_publish_one), params).first() is not None
     channel, wake_payload = wake
     return conn.execute(stmts.memo(_publish_one_waking, channel), {**params, "wake": wake_payload}).first() is not None
+
+
+def _move_head_unless_there(stmts: _Stmts) -> sa.Update:
+    heads, log = stmts.tables.heads, stmts.tables.log
+    topic = sa.bindparam("topic_name", type_=sa.String)
+    key, mid = sa.bindparam("key", type_=sa.String), sa.bindparam("mid", type_=sa.String)
+    there = sa.exists().where(log.c.topic == topic, log.c.partition_key == key, log.c.message_id == mid)
+    return (
+        sa.update(heads)
+        .where(heads.c.topic == topic, heads.c.partition == sa.bindparam("part", type_=sa.Integer), ~there)
+        .values(head=heads.c.head + 1)
+    )
+
+
+def _insert_at_head(stmts: _Stmts) -> sa.Insert:
+    heads, log = stmts.tables.heads, stmts.tables.log
+    topic = sa.bindparam("topic_name", type_=sa.String)
+    part = sa.bindparam("part", type_=sa.Integer)
+    row = sa.select(
+        heads.c.topic,
+        heads.c.partition,
+        heads.c.head,
+        sa.bindparam("key", type_=sa.String),
+        sa.bindparam("mid", type_=sa.String),
+        sa.bindparam("payload", type_=sa.LargeBinary),
+        sa.bindparam("ptype", type_=sa.String),
+        stmts.now_expr,
+    ).where(heads.c.topic == topic, heads.c.partition == part)
+    names = ["topic", "partition", "message_offset", "partition_key", "message_id", "payload", "payload_type"]
+    return sa.insert(log).from_select([*names, "published_at"], row)
 
 
 def _publish_one_waking(stmts: _Stmts, channel: str) -> sa.Select[Any]:

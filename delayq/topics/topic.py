@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from delayq import observe
 from delayq.clock import Clock
 from delayq.dialects import Dialect
+from delayq.dialects.base import Mode
 from delayq.errors import InvalidInputError
 from delayq.messages import OfferOutcome
 from delayq.schema import DEFAULT_PREFIX
@@ -160,12 +161,12 @@ class Topic:
         with observe.publishing_topic(self.name, len(prepared)) as added:  # (tracing: the publish's span)
             headers = _headers.encode(added)
             outcomes: list[OfferOutcome] | None = None
-            one_statement = self.ctx.runner.dialect.writable_cte and self.ctx.clock is None and _owned(using)
-            if len(prepared) == 1 and headers is None and one_statement:
+            if len(prepared) == 1 and headers is None and self.ctx.clock is None and _owned(using):
                 # One message without headers in delayq's own transaction: one autocommitted statement, its
-                # wake-up included (see ``publish_one``).
+                # wake-up included, where the database can (else two statements; see ``publish_one``).
+                mode: Mode = "statement" if self.ctx.runner.dialect.writable_cte else "transaction"
                 try:
-                    outcomes = self.ctx.runner.run(using, one, "statement")
+                    outcomes = self.ctx.runner.run(using, one, mode)
                 except IntegrityError:  # the same id published at this moment elsewhere: the general way
                     outcomes = None
             published = self.ctx.runner.run(using, op, "transaction") if outcomes is None else outcomes
