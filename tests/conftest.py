@@ -305,6 +305,7 @@ FULL_PROFILE_MODULES = {
     "test_worker_network",
     "test_worker_processes",
     "test_worker_shutdown",
+    "test_topics_processes",  # subscribers killed, frozen (SIGSTOP) and crashing, as processes
     # the fault-proxy and frozen-transaction suites (silent servers, lost COMMIT replies, held locks, racing
     # consumers): each case waits out a bound, so together they take minutes
     "test_idle_bounds",

@@ -111,6 +111,7 @@ def proxy(apg: Backend) -> Iterator[FaultProxy]:
         yield found
 
 
+@pytest.mark.slow  # a fault test: it waits out the stall bound
 def test_a_batch_claim_behind_a_silent_network_frees_its_rows_and_its_call(
     apg: Backend, proxy: FaultProxy, queue_name: str, short_bounds: None
 ) -> None:

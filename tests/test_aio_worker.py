@@ -299,6 +299,7 @@ def test_a_cancel_of_a_running_message_reaches_the_async_listener(postgres: Back
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a fault test: it waits out the stall bound
 def test_a_silent_connection_is_given_up_after_the_stall_timeout(
     backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
