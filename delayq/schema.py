@@ -41,6 +41,8 @@ class Tables:
     """One row per background chore (the pruner): which process holds it until when, so one runs at a time."""
     workers: sa.Table
     """One row per worker (``Worker``, ``AsyncWorker``) that ran lately: its heartbeat (``delayq.runtime``)."""
+    audit: sa.Table
+    """One row per operator's action from the dashboard or the CLI: who, what, where, when (``delayq.queue._audit``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,7 +235,26 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Index(f"{prefix}workers_heartbeat_ix", "heartbeat_at"),
         **TABLE_OPTIONS,
     )
-    return Tables(md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers)
+    # One row per operator's action (delayq_0011): who (``actor``) from where (``source``: web, cli) did what to
+    # which queue under which filter (a JSON object), how many messages it affected, when (database time).
+    audit = sa.Table(
+        f"{prefix}audit",
+        md,
+        sa.Column("id", BigId, primary_key=True, autoincrement=True),
+        sa.Column("at", sa.BigInteger, nullable=False),
+        sa.Column("source", sa.String(10), nullable=False),
+        sa.Column("actor", name_type(200), nullable=False),
+        sa.Column("action", name_type(50), nullable=False),
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), nullable=True),
+        sa.Column("filter", sa.Text, nullable=True),
+        sa.Column("count", sa.BigInteger, nullable=True),
+        sa.Index(f"{prefix}audit_queue_ix", "queue", "id"),
+        sa.Index(f"{prefix}audit_actor_ix", "actor", "id"),
+        **TABLE_OPTIONS,
+    )
+    return Tables(
+        md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers, audit
+    )
 
 
 MAX_TOPIC_LENGTH = 100
