@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from delayq.errors import DeliveryCancelledError
 from delayq.history import AttemptRecord
+from delayq.humanize import human
 from delayq.tags import decode_tags
 
 if TYPE_CHECKING:
@@ -81,6 +82,11 @@ class Message:
 
     tags: tuple[str, ...] = ()
     """The tags its offer gave it, sorted (``delayq.tags``)."""
+    priority: int | None = None
+    """Its priority (``offer(priority=)``, 0 unless set; higher is claimed first); None once kept (``completed``,
+    ``cancelled``, ``dead``): finished rows and dead letters do not record it."""
+    group: str | None = None
+    """Its group (``offer(group=)``), None when it has none; None once kept, as ``priority``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,19 @@ class FlowState:
         """Whether claims must lock the flow row: a concurrency or rate limit is set, or groups were offered."""
         return self.concurrency is not None or self.rate is not None or self.grouped
 
+    def describe_limits(self) -> str:
+        """Its limits in a few words, as ``delayq stats`` and the dashboard show them (``concurrency 5, rate
+        10/1.0s, group concurrency 1``); empty when none is set. Group concurrency shows once groups were offered
+        or it is not the default 1."""
+        parts = []
+        if self.concurrency is not None:
+            parts.append(f"concurrency {self.concurrency}")
+        if self.rate is not None and self.rate_period is not None:
+            parts.append(f"rate {self.rate}/{human(self.rate_period)}")
+        if self.grouped or self.group_concurrency != 1:
+            parts.append(f"group concurrency {self.group_concurrency}")
+        return ", ".join(parts)
+
 
 _CANCEL_FLAGS = threading.Lock()
 """Taken to make a delivery's ``cancelled`` event (made on first use: most deliveries never need one)."""
@@ -202,6 +221,10 @@ class Delivery:
     """How long the handler ran, in milliseconds (``ack(duration=)``)."""
     _tags: str | None = field(default=None, repr=False)
     _cancelled: threading.Event | None = field(default=None, repr=False)
+    priority: int = 0
+    """The message's priority (``offer(priority=)``; higher is claimed first); read with the claim."""
+    group: str | None = None
+    """The message's group (``offer(group=)``), None when it has none; read with the claim."""
 
     @property
     def tags(self) -> tuple[str, ...]:

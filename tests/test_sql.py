@@ -59,7 +59,7 @@ EXPECTED = {
             "delayq_messages.id, delayq_messages.key, delayq_messages.payload, delayq_messages.payload_type, "
             "picked.scheduled_at, delayq_messages.scheduled_at AS scheduled_at_1, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, delayq_messages.lock_token, "
-            "delayq_messages.tags"
+            "delayq_messages.tags, delayq_messages.priority, delayq_messages.group_key"
         ),
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
@@ -81,7 +81,7 @@ EXPECTED = {
             "SELECT delayq_messages.id, delayq_messages.`key`, delayq_messages.payload, "
             "delayq_messages.payload_type, delayq_messages.scheduled_at, delayq_messages.attempts, "
             "delayq_messages.created_at, delayq_messages.scheduled_at_initially, delayq_messages.tags, "
-            "<now> AS now FROM "
+            "delayq_messages.priority, delayq_messages.group_key, <now> AS now FROM "
             "delayq_messages WHERE delayq_messages.id IN (__[POSTCOMPILE_ids]) AND delayq_messages.scheduled_at"
             " <= <now> FOR UPDATE SKIP LOCKED"
         ),
@@ -105,7 +105,7 @@ EXPECTED = {
             "delayq_messages.id IN (SELECT due.id FROM delayq_messages AS due WHERE due.queue = ? AND "
             "due.scheduled_at <= <now> ORDER BY due.scheduled_at, due.id LIMIT 10 OFFSET ?) RETURNING id, "
             '"key", payload, payload_type, scheduled_at, attempts, created_at, scheduled_at_initially, tags, '
-            "<now> AS now"
+            "priority, group_key, <now> AS now"
         ),
         "lock_taken": "UPDATE delayq_messages SET scheduled_at=? WHERE delayq_messages.lock_token = ?",
         "ack": (

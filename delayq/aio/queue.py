@@ -487,6 +487,16 @@ class AsyncDelivery:
         return self.delivery.tags
 
     @property
+    def priority(self) -> int:
+        """The message's priority (read with the claim)."""
+        return self.delivery.priority
+
+    @property
+    def group(self) -> str | None:
+        """The message's group, None when it has none (read with the claim)."""
+        return self.delivery.group
+
+    @property
     def cancelled(self) -> threading.Event:
         """Set once the message was cancelled or its lock lost (``Delivery.cancelled``); an ``AsyncWorker`` also
         cancels the handler's task then."""

@@ -49,6 +49,8 @@ class ClaimedRow(NamedTuple):
     lock_token: str
     tags: str | None = None
     """Its tags as stored (``delayq.tags``), mostly NULL."""
+    priority: int = 0
+    group_key: str | None = None
 
 
 def _bp(name: str, type_: type[sa.types.TypeEngine[Any]] | sa.types.TypeEngine[Any] = sa.BigInteger) -> Any:
@@ -464,9 +466,21 @@ class Dialect:
         # more than the rest of the row's handling.
         return [
             ClaimedRow(
-                msg_id, key, payload, payload_type, due, locked_until, attempts + 1, created, initially, token, tags
+                msg_id,
+                key,
+                payload,
+                payload_type,
+                due,
+                locked_until,
+                attempts + 1,
+                created,
+                initially,
+                token,
+                tags,
+                priority,
+                group,
             )
-            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, _ in rows
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, priority, group, _ in rows
         ]
 
     def extend_held(self, conn: Connection, stmts: Statements, params: Mapping[str, Any]) -> dict[int, int]:
@@ -559,6 +573,8 @@ def candidate_columns(stmts: Statements) -> tuple[sa.ColumnElement[Any], ...]:
         m.c.created_at,
         m.c.scheduled_at_initially,
         m.c.tags,
+        m.c.priority,
+        m.c.group_key,
         stmts.now.label("now"),
     )
 

@@ -481,6 +481,8 @@ def _claim_statement(stmts: Statements, limit: int, level: Level = "") -> sa.Upd
             m.c.scheduled_at_initially,
             m.c.lock_token,
             m.c.tags,
+            m.c.priority,
+            m.c.group_key,
         )
     )
 

@@ -191,8 +191,22 @@ class SQLiteDialect(Dialect):
         conn.execute(stmts.memo(_lock_taken), {"token": token, "locked_until": locked_until})
         rows = sorted(taken, key=lambda r: (r.scheduled_at, r.id))  # oldest due first, as the pick ordered them
         return [
-            ClaimedRow(msg_id, key, payload, payload_type, due, locked_until, attempts, created, initially, token, tags)
-            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, _ in rows
+            ClaimedRow(
+                msg_id,
+                key,
+                payload,
+                payload_type,
+                due,
+                locked_until,
+                attempts,
+                created,
+                initially,
+                token,
+                tags,
+                pri,
+                group,
+            )
+            for msg_id, key, payload, payload_type, due, attempts, created, initially, tags, pri, group, _ in rows
         ]
 
     def autocommitting(self, dbapi_connection: Any) -> bool:

@@ -474,6 +474,8 @@ class _Claims(_Flow):
                     row.lock_token,
                     self,
                     _tags=row.tags,
+                    priority=row.priority,
+                    group=row.group_key,
                 )
             )
         if dead:

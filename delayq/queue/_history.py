@@ -84,6 +84,8 @@ def statements(stmts: Statements) -> HistoryStatements:
             m.c.lock_token,
             m.c.attempt_history,
             m.c.tags,
+            m.c.priority,
+            m.c.group_key,
             now.label("now"),
         ).where(by_key),
         dead_latest=sa.select(*dead_cols)

@@ -67,6 +67,8 @@ class _Queued(_QueueBase):
                 attempt_history=history.parse(row.attempt_history),
                 tags=decode_tags(row.tags),
                 state=state,
+                priority=int(row.priority),
+                group=row.group_key,
             )
 
         return self._runner.run(using, op, "read")

@@ -1,30 +1,39 @@
 """The actions (POST only): run now, reschedule, cancel, requeue or purge dead letters (one, or in bulk after
 a confirmation), pause, resume, limits. Each goes through ``DelayedQueue``'s public operations.
 
-Refused (403, nothing changed) when the dashboard is read-only or the CSRF token is missing or wrong; bad
-input answers 400 with one line. A done action redirects (303) back to the page it came from.
+Refused (403, nothing changed) when the dashboard is read-only, the user's role is ``read`` or the CSRF token
+is missing or wrong; bad input answers 400 with one line. A done action is recorded in the audit (``act``,
+once for every action: ``delayq.audit``), then redirects (303) back to the page it came from. An action
+returns what the next page says, a ``str``, or a ``Done`` that also says how many messages it affected.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
+import sqlalchemy as sa
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
+from delayq import audit
 from delayq.browse import State, list_messages
 from delayq.errors import InvalidInputError
 from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.web import _csrf
+from delayq.web._auth import actor
 from delayq.web._reads import Where
 from delayq.web._render import Dashboard, base_path, notice
 
 BULK_PAGE = 500
 """Dead letters read per page while a bulk requeue walks them."""
+MAX_PERIOD_S = 100 * 365 * 86400
+"""The longest rate period the limits form takes (100 years, as a due time's reach)."""
 COUNT_SHOWN = 10_000
 """A bulk confirmation counts the matching dead letters up to this many ("at least" beyond)."""
 
@@ -33,6 +42,8 @@ async def act(dash: Dashboard, request: Request) -> Response:
     """Check the request, then run the action its path names."""
     if not dash.actions:
         return dash.error(request, 403, "this dashboard is read-only (start it with --allow-actions)")
+    if not dash.can_act(request):
+        return dash.error(request, 403, "your role is read: you may look, not act")
     form = dict(parse_qsl((await request.body()).decode("utf-8", "replace"), keep_blank_values=True))
     if not _csrf.valid(request, form):
         return dash.error(request, 403, "missing or wrong CSRF token: reload the page and try again")
@@ -46,13 +57,46 @@ async def act(dash: Dashboard, request: Request) -> Response:
             n, more = await run_in_threadpool(_count_dead, dash.where, queue, _prefix(form))
             back = _safe_target(request, form)
             return dash.render(request, "confirm.html", action=name, form=form, count=n, more=more, back=back)
-        done = await run_in_threadpool(action, dash.where.queue(queue), form, dash.where)
+        done = _done(await run_in_threadpool(action, dash.where.queue(queue), form, dash.where))
     except InvalidInputError as exc:
         return dash.error(request, 400, str(exc))
     dash.snapshots.refresh_soon()  # (the counts the next pages show)
+    said = await run_in_threadpool(_recorded, dash.where, actor(request), name, queue, form, done)
     response = RedirectResponse(_safe_target(request, form), status_code=303)
-    notice(response, done, base_path(request))
+    notice(response, said, base_path(request))
     return response
+
+
+@dataclass(frozen=True)
+class Done:
+    """What an action did: the line the next page shows, and how many messages it affected (for the audit)."""
+
+    text: str
+    count: int | None = None
+
+
+def _done(result: str | Done) -> Done:
+    return result if isinstance(result, Done) else Done(result)
+
+
+NOT_AUDITED = frozenset({_csrf.FIELD, "next", "confirmed", "queue"})
+"""Form fields that are the form's plumbing: every other non-empty one is what the action selected or set."""
+AUDITED_LENGTH = 200
+"""The characters of a form value the audit keeps."""
+log = logging.getLogger("delayq.web")
+
+
+def _recorded(where: Where, who: str, name: str, queue: str, form: dict[str, str], done: Done) -> str:
+    """Record a done action in the audit; what the next page says (the action was done, recorded or not)."""
+    chosen = {k: v[:AUDITED_LENGTH] for k, v in form.items() if k not in NOT_AUDITED and v}
+    try:
+        audit.record(
+            where.engine, where.tables, name, actor=who, source="web", queue=queue, filter=chosen, count=done.count
+        )
+    except sa.exc.SQLAlchemyError as exc:  # (whatever it is, the action stands: say so, and why it is unrecorded)
+        log.exception("delayq web: %s on %r was done but not recorded in the audit", name, queue)
+        return f"{done.text} (done, but not recorded in the audit: {type(exc).__name__})"
+    return done.text
 
 
 def _safe_target(request: Request, form: dict[str, str]) -> str:
@@ -76,16 +120,16 @@ def _prefix(form: dict[str, str]) -> str | None:
     return check_prefix(prefix) if prefix else None
 
 
-def _found(ok: bool, what: str, key: str) -> str:
-    return what if ok else f"nothing done: no message {key!r} (gone meanwhile?)"
+def _found(ok: bool, what: str, key: str) -> Done:
+    return Done(what, 1) if ok else Done(f"nothing done: no message {key!r} (gone meanwhile?)", 0)
 
 
-def _run_now(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _run_now(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     key = _key(form)
     return _found(q.reschedule(key), f"{key}: due now", key)
 
 
-def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     key = _key(form)
     try:
         seconds = float(form.get("in_seconds", ""))
@@ -96,22 +140,22 @@ def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
     return _found(q.reschedule(key, dt.timedelta(seconds=seconds)), f"{key}: due in {seconds:g}s", key)
 
 
-def _cancel(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _cancel(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     key = _key(form)
     outcome = q.cancel_job(key)
     told = ": its handler was running, its worker is told" if outcome is CancelOutcome.RUNNING else ""
     return _found(bool(outcome), f"{key}: cancelled{told}", key)
 
 
-def _requeue(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _requeue(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     key = _key(form)
     return _found(q.requeue_dead(key), f"{key}: requeued", key)
 
 
-def _purge(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _purge(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     key = _key(form)
     n = q.purge_dead(key=key)
-    return _found(n > 0, f"{key}: {n} dead letter(s) purged", key)
+    return Done(f"{key}: {n} dead letter(s) purged", n) if n else _found(False, "", key)
 
 
 def _dead_pages(where: Where, queue: str, prefix: str | None) -> Iterator[list[str]]:
@@ -146,17 +190,17 @@ def _count_dead(where: Where, queue: str, prefix: str | None) -> tuple[int, bool
     return n, False
 
 
-def _requeue_all(q: DelayedQueue, form: dict[str, str], where: Where) -> str:
+def _requeue_all(q: DelayedQueue, form: dict[str, str], where: Where) -> Done:
     done = 0
     for keys in _dead_pages(where, q.name, _prefix(form)):
         done += sum(q.requeue_dead(k) for k in dict.fromkeys(keys))
-    return f"{done} dead letter(s) requeued"
+    return Done(f"{done} dead letter(s) requeued", done)
 
 
-def _purge_all(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
+def _purge_all(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     prefix = _prefix(form)
     n = q.purge_dead(key_prefix=prefix) if prefix else q.purge_dead(everything=True)
-    return f"{n} dead letter(s) purged"
+    return Done(f"{n} dead letter(s) purged", n)
 
 
 def _pause(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
@@ -183,15 +227,18 @@ def _limits(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
     concurrency = _limit_value(form.get("concurrency", ""), "concurrency limit")
     rate = _limit_value(form.get("rate", ""), "rate limit")
     try:
-        per = dt.timedelta(seconds=float(form.get("per_seconds", "1") or "1"))
+        seconds = float(form.get("per_seconds", "1") or "1")
     except ValueError:
         raise InvalidInputError("the rate's period must be a number of seconds") from None
+    if not 0 < seconds <= MAX_PERIOD_S:  # (also refuses nan and inf, which timedelta cannot hold)
+        raise InvalidInputError(f"the rate's period must be more than 0 and at most {MAX_PERIOD_S} seconds")
+    per = dt.timedelta(seconds=seconds)
     q.set_concurrency_limit(concurrency)
     q.set_rate_limit(rate, per)
     return f"{q.name}: limits set"
 
 
-Action = Callable[[DelayedQueue, dict[str, str], Where], str]
+Action = Callable[[DelayedQueue, dict[str, str], Where], str | Done]
 ACTIONS: dict[str, Action] = {
     "run-now": _run_now,
     "reschedule": _reschedule,

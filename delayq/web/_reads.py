@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delayq.browse import (
+    SearchCursor,
     State,
     StoredMessage,
     WorkerInfo,
@@ -24,15 +25,16 @@ from delayq.browse import (
     list_messages,
     list_workers,
     queue_names,
+    search_messages,
 )
 from delayq.cron import schedule_views
 from delayq.errors import SerializationMismatchError
 from delayq.humanize import human, shorten
 from delayq.messages import FlowState, Message, QueueStats
-from delayq.queue import DelayedQueue
+from delayq.queue import DelayedQueue, check_key, check_prefix
 from delayq.schema import Tables, make_tables
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
-from delayq.topics.names import dead_letter_topic
+from delayq.topics.names import check_topic_stored, dead_letter_topic
 from delayq.topics.views import (
     GroupSummary,
     PartitionLag,
@@ -142,6 +144,8 @@ class Page:
     now: dt.datetime
     messages: list[StoredMessage]
     next_after: str | None
+    next_queue: str | None = None
+    """A search's: the queue the next page starts in (with ``next_after``)."""
 
 
 def encode_cursor(m: StoredMessage) -> str:
@@ -150,12 +154,20 @@ def encode_cursor(m: StoredMessage) -> str:
     return f"{due}.{ident}.{key}"
 
 
+CURSOR_INT = 2**63 - 1
+"""The largest number a cursor's time or id may hold (a BIGINT on every backend)."""
+
+
 def decode_cursor(text: str | None) -> tuple[int, int, str] | None:
-    """A cursor from a URL; None when absent. ``ValueError`` when it is not one."""
+    """A cursor from a URL; None when absent. ``ValueError`` when it is not one: numbers outside a BIGINT's
+    range, or a key no message can have, never reach the database."""
     if not text:
         return None
     due, ident, key = text.split(".", 2)
-    return int(due), int(ident), key
+    numbers = int(due), int(ident)
+    if not all(-CURSOR_INT <= n <= CURSOR_INT for n in numbers):
+        raise ValueError("cursor out of range")
+    return numbers[0], numbers[1], check_key(key)
 
 
 def messages_page(
@@ -168,7 +180,8 @@ def messages_page(
     tag: str | None = None,
 ) -> Page:
     """A page of a queue's messages (or dead letters, with ``State.DEAD``), keyset-paginated; with ``tag``,
-    only those carrying it."""
+    only those carrying it. ``InvalidKeyError`` for a prefix no key can start with (a NUL, say)."""
+    key_prefix = check_prefix(key_prefix) if key_prefix else None
     with where.engine.connect() as conn:
         now = database_now(conn)
         found = list_messages(
@@ -187,6 +200,34 @@ def messages_page(
     more = len(found) > PAGE
     found = found[:PAGE]
     return Page(now, found, encode_cursor(found[-1]) if more and found else None)
+
+
+def search_page(
+    where: Where,
+    *,
+    state: State | None,
+    key_prefix: str | None,
+    tag: str | None,
+    after: SearchCursor | None,
+) -> Page:
+    """A page of every queue's messages in ``state`` under ``key_prefix`` carrying ``tag``
+    (``browse.search_messages``), keyset-paginated. ``InvalidKeyError`` for a prefix no key can start with."""
+    key_prefix = check_prefix(key_prefix) if key_prefix else None
+    with where.engine.connect() as conn:
+        now = database_now(conn)
+        found = search_messages(
+            conn,
+            where.tables,
+            state=state,
+            now=now,
+            key_prefix=key_prefix,
+            tag=tag or None,
+            limit=PAGE + 1,
+            after=after,
+        )
+        conn.rollback()
+    last = found[PAGE - 1] if len(found) > PAGE else None
+    return Page(now, found[:PAGE], None if last is None else encode_cursor(last), None if last is None else last.queue)
 
 
 def short_payload(value: object) -> str:
@@ -221,7 +262,9 @@ SERIALIZERS: dict[str, type[Serializer]] = {s.type_tag: s for s in (JsonSerializ
 
 def message(where: Where, queue: str, key: str) -> MessageView:
     """Everything about one key of a queue (as ``delayq show``), with ``get``'s view of a live message
-    where its payload is of a built-in serializer's (timings, and a result where the queue keeps one)."""
+    where its payload is of a built-in serializer's (timings, and a result where the queue keeps one).
+    ``InvalidKeyError`` for a key no message can have."""
+    check_key(key)
     with where.engine.connect() as conn:
         now = database_now(conn)
         live = list_messages(conn, where.tables, queue, state=None, now=now, key=key, limit=1)
@@ -272,7 +315,9 @@ class TopicView:
 
 
 def topic(where: Where, name: str) -> TopicView:
-    """One topic, as ``delayq topics ls``, ``groups ls`` and ``lag`` show it, with its subscribers."""
+    """One topic, as ``delayq topics ls``, ``groups ls`` and ``lag`` show it, with its subscribers.
+    ``InvalidInputError`` for a name no topic can have."""
+    check_topic_stored(name)
     kw: dict[str, Any] = {"table_prefix": where.prefix, "schema": where.schema}
     every = {t.topic: t for t in list_topics(where.engine, **kw)}
     groups = [GroupView(g, group_lag(where.engine, name, g.group, **kw)) for g in list_groups(where.engine, name, **kw)]
