@@ -43,6 +43,8 @@ class Tables:
     """One row per worker (``Worker``, ``AsyncWorker``) that ran lately: its heartbeat (``delayq.runtime``)."""
     audit: sa.Table
     """One row per operator's action from the dashboard or the CLI: who, what, where, when (``delayq.queue._audit``)."""
+    queue_history: sa.Table
+    """Per queue and minute: deliveries processed, failed, dead-lettered, as workers count them (``delayq.runtime``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,7 +234,22 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("started_at", sa.BigInteger, nullable=False),
         sa.Column("heartbeat_at", sa.BigInteger, nullable=False),
         sa.Column("stopped_at", sa.BigInteger, nullable=True),
+        sa.Column("running", sa.Text, nullable=True),  # (delayq_0012) JSON: what its handlers run, at its heartbeat
         sa.Index(f"{prefix}workers_heartbeat_ix", "heartbeat_at"),
+        **TABLE_OPTIONS,
+    )
+    # Per queue and minute (delayq_0012; the minute's start, database time): deliveries the workers processed,
+    # failed (to be retried) and dead-lettered. Each worker adds its counts with its heartbeat; rows older than a
+    # day are deleted by the running workers (``delayq.runtime._registry``).
+    queue_history = sa.Table(
+        f"{prefix}queue_history",
+        md,
+        sa.Column("queue", name_type(MAX_QUEUE_LENGTH), primary_key=True),
+        sa.Column("minute", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("processed", sa.BigInteger, nullable=False),
+        sa.Column("failed", sa.BigInteger, nullable=False),
+        sa.Column("dead_lettered", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}queue_history_minute_ix", "minute"),
         **TABLE_OPTIONS,
     )
     # One row per operator's action (delayq_0011): who (``actor``) from where (``source``: web, cli) did what to
@@ -253,7 +270,17 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         **TABLE_OPTIONS,
     )
     return Tables(
-        md, messages, dead_letters, schedules, make_topic_tables(prefix, md), flow, finished, chores, workers, audit
+        md,
+        messages,
+        dead_letters,
+        schedules,
+        make_topic_tables(prefix, md),
+        flow,
+        finished,
+        chores,
+        workers,
+        audit,
+        queue_history,
     )
 
 
