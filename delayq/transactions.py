@@ -9,6 +9,7 @@ transient errors reach the caller, who owns the transaction.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -22,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
 from delayq.dialects import Dialect, Mode, bounds, dialect_for
@@ -99,6 +101,16 @@ class TransientRetry:
 DEFAULT_RETRY = TransientRetry()
 
 
+def _pause(seconds: float) -> None:
+    """The one wait between two attempts of delayq's own transaction. In SQLAlchemy's asyncio greenlet (the sync
+    core run by ``delayq.aio`` and the ``AsyncWorker``, its chores included, on the event loop's thread) it is an
+    ``asyncio.sleep``, so a retry never blocks the loop; elsewhere a ``time.sleep``."""
+    if in_greenlet():
+        await_only(asyncio.sleep(seconds))
+    else:
+        time.sleep(seconds)
+
+
 class Runner:
     """Runs operations against one engine and table set, always on SQLAlchemy's own ``Connection``.
 
@@ -163,7 +175,7 @@ class Runner:
                 if pause is None:
                     self._raise_if_schema_missing(exc)
                     raise
-                time.sleep(pause)
+                _pause(pause)
 
     def bound_calls(self, conn: Connection) -> None:
         """From now until the end of ``owned``'s block (its COMMIT included), ``conn``'s calls are bounded

@@ -100,8 +100,8 @@ class NotBegun(Exception):
 class Core:
     """The state and the steps of one worker, whichever driver runs them (see the module's docstring).
 
-    ``transient_retry``: how its queues retry their own transactions (the asyncio driver passes none:
-    a retry's pause must not block the loop; its loops back off instead)."""
+    ``transient_retry``: how its queues retry their own transactions (the asyncio driver passes none: its
+    loops back off instead; the chores' retries pause with ``asyncio.sleep`` there, ``delayq.transactions``)."""
 
     def __init__(
         self,
