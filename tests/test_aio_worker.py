@@ -31,6 +31,7 @@ from delayq import (
     Worker,
 )
 from delayq.aio import AsyncDelivery, AsyncHandler, AsyncTopic, AsyncWorker
+from delayq.dialects._pg_listen import CANCELLED
 from delayq.topics import dead_letter_topic, group_lag
 
 SECOND = dt.timedelta(seconds=1)
@@ -616,3 +617,48 @@ def test_the_async_worker_runs_sync_topic_handlers_on_threads(backend: Backend, 
     assert sorted(history) == sorted([("ok", 1), ("flaky", 1), ("flaky", 2), ("bad", 1), ("slow", 1)])
     [lag] = group_lag(backend.engine, name, "g")
     assert (lag.head, lag.watermark, lag.pending) == (4, 4, 0)
+
+
+def test_a_cancel_heard_before_the_handlers_task_first_runs_keeps_the_handler_from_running(
+    backend: Backend, queue_name: str, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim's reply came and the handler's task was made; in that loop turn, before the task's first step, the
+    cancel's notification was heard (the claim committed, then the cancel). The handler never runs, and the message
+    stays cancelled. (The job used to be marked told while its task had not started, so no cancellation came, and
+    the handler ran to its end.)"""
+    ran: list[str] = []
+
+    async def body(d: AsyncDelivery, _: object) -> None:
+        ran.append(d.key)
+        await asyncio.sleep(0)  # a cancellation delivered by now ends it here
+        ran.append(f"{d.key} ended")
+
+    async def main() -> None:
+        engine = make_async_engine(backend.url)
+        worker = AsyncWorker(engine, [async_handler(queue_name, body)], clock=clock, poll_interval=FAST, listen=False)
+        aq = worker.async_queues[queue_name]
+        await aq.offer("k", 1)
+        operator = DelayedQueue(backend.engine, queue_name, clock=clock)
+        start = worker._start_queue_job
+
+        def start_then_hear_the_cancel(source: Any, job: Any) -> None:
+            start(source, job)  # its task is made; its first step has not run
+            if job.delivery.key == "k":
+                assert operator.cancel_job("k") is CancelOutcome.RUNNING
+                if worker._core.heard_cancel(f"{CANCELLED}{job.delivery.id}"):  # as the listener does
+                    worker._cancel_lost()
+
+        monkeypatch.setattr(worker, "_start_queue_job", start_then_hear_the_cancel)
+        try:
+            assert await worker.run_once() == 1
+            assert ran == []
+            cancelled = await aq.get("k")
+            assert cancelled is not None and cancelled.state == "cancelled"
+            assert worker.health().held == 0
+            await aq.offer("after", 2)
+            assert await worker.run_once() == 1
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert ran == ["after", "after ended"]

@@ -606,11 +606,14 @@ class AsyncWorker:
             task.cancel()
 
     def _cancel_lost(self) -> None:
-        """Cancel (once) each handler whose message was cancelled or whose lock was lost: nothing is recorded."""
+        """Cancel (once) each handler whose message was cancelled or whose lock was lost: nothing is recorded.
+
+        A job whose task has not taken its first step yet (made in this loop turn) needs no cancellation: that
+        step finds the job lost and never runs the handler (``_handle``)."""
         for job in self._jobs.lost_running():
             task = self._tasks.get(id(job))
             if task is None or task.done() or id(job) not in self._in_handler:
-                continue  # (it returned: its outcome changes nothing, the lock being gone)
+                continue  # (not started: it never runs; returned: its outcome changes nothing, the lock being gone)
             self._lost.add(id(job))
             task.cancel()
 
@@ -727,6 +730,9 @@ class AsyncWorker:
         aq = self.async_queues[job.queue.name]
         to_ack = False
         try:
+            if job.lost:  # cancelled (or its lock lost) before this task's first step: its handler never runs
+                log.info("%s: not started: the message was cancelled, or its lock lost", delivery.label)
+                return
             self._in_handler.add(id(job))
             try:
                 if handler.transactional:
