@@ -112,10 +112,11 @@ def show_payload(payload_type: str, data: bytes) -> Any:
 
 
 def queue_names(conn: sa.Connection, tables: Tables) -> list[str]:
-    """Every queue the database knows of: with live messages, dead letters or an installed cron schedule.
+    """Every queue the database knows of: with live messages, dead letters, kept finished messages or an
+    installed cron schedule, or paused, or with a limit set (concurrency, rate, group concurrency).
 
-    Queues are not registered anywhere: a queue whose messages were all acked, with no dead letters
-    and no schedule, leaves no trace, and reads as a queue never used (name it to see its zeros).
+    Queues are not registered anywhere: a queue whose messages were all acked, with no dead letters, no
+    schedule and no pause or limit, leaves no trace, and reads as a queue never used (name it to see its zeros).
     """
     return _views.queue_names(conn, tables)
 

@@ -7,12 +7,24 @@ queue's own reads with both APIs."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from conftest import Backend
 
 from delayq import DelayedQueue
+from delayq.cli import main
+from delayq.web import app
+
+with warnings.catch_warnings():  # (Starlette 1.x prefers httpx2 under its TestClient; httpx works)
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
 
 HOUR = dt.timedelta(hours=1)
 BOTH_APIS = pytest.mark.parametrize("api", ["sync", "async"], indirect=True)
@@ -63,3 +75,66 @@ def test_get_shows_a_live_messages_priority_and_group_and_none_once_kept(
     kept = q.get("job")
     # (the finished rows and dead letters do not record them: docs/workers.md, "Flow control")
     assert kept is not None and (kept.state, kept.priority, kept.group) == ("completed", None, None)
+
+
+# -- limits, pause and running counts where the queue is shown ---------------------------------------------
+def flow_queues(engine: sa.Engine, base: str) -> dict[str, DelayedQueue]:
+    """Queues named after ``base``: one paused, one limited, one with a group concurrency, one paused and resumed
+    (none with messages), and one with a concurrency limit and two of its three messages running."""
+    qs = {s: DelayedQueue(engine, f"{base}-{s}") for s in ("paused", "limited", "groups", "resumed", "busy")}
+    qs["paused"].pause()
+    qs["limited"].set_concurrency_limit(3)
+    qs["limited"].set_rate_limit(10, dt.timedelta(minutes=1))
+    qs["groups"].set_group_concurrency(2)
+    qs["resumed"].pause()
+    qs["resumed"].resume()
+    qs["busy"].offer_many([(f"k{i}", i, None) for i in range(3)])
+    qs["busy"].set_concurrency_limit(2)
+    assert len(qs["busy"].try_poll_many(3)) == 2
+    return qs
+
+
+def test_stats_lists_a_paused_or_limited_queue_with_nothing_in_it_and_shows_limits_pause_and_running(
+    backend: Backend, queue_name: str
+) -> None:
+    qs = flow_queues(backend.engine, queue_name)
+    runner = CliRunner()
+    listed = runner.invoke(main, ["--url", backend.url, "stats", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = {r["queue"]: r for r in json.loads(listed.output) if r["queue"].startswith(queue_name)}
+    assert sorted(rows) == sorted(qs[s].name for s in ("paused", "limited", "groups", "busy"))  # not "resumed"
+    paused, limited, groups, busy = (rows[qs[s].name] for s in ("paused", "limited", "groups", "busy"))
+    assert (paused["paused"], paused["ready"], paused["concurrency_limit"]) == (True, 0, None)
+    assert (limited["concurrency_limit"], limited["rate_limit"], limited["rate_period_s"]) == (3, 10, 60.0)
+    assert groups["group_concurrency"] == 2
+    assert (busy["running"], busy["in_flight"], busy["ready"], busy["concurrency_limit"]) == (2, 2, 1, 2)
+
+    table = runner.invoke(main, ["--url", backend.url, "stats"])
+    assert table.exit_code == 0, table.output
+    header, *lines = table.output.splitlines()
+    assert header.split()[-2:] == ["PAUSED", "LIMITS"]
+    shown = {line.split()[0]: line for line in lines}
+    assert shown[qs["paused"].name].rstrip().endswith("paused")
+    assert shown[qs["limited"].name].rstrip().endswith("concurrency 3, rate 10/1m 00s")
+    assert shown[qs["groups"].name].rstrip().endswith("group concurrency 2")
+    busy_cells = shown[qs["busy"].name].split()
+    assert busy_cells[1:4] == ["1", "0", "2"] and shown[qs["busy"].name].rstrip().endswith("concurrency 2")
+
+
+def test_the_overview_lists_a_paused_or_limited_queue_with_nothing_in_it_and_shows_limits_and_running(
+    backend: Backend, queue_name: str
+) -> None:
+    qs = flow_queues(backend.engine, queue_name)
+    c = TestClient(app(backend.engine))
+    panel = {r["queue"]: r for r in c.get("/api/overview").json()["queues"] if r["queue"].startswith(queue_name)}
+    assert sorted(panel) == sorted(qs[s].name for s in ("paused", "limited", "groups", "busy"))
+    assert (panel[qs["paused"].name]["paused"], panel[qs["paused"].name]["limits"]) == (True, "-")
+    assert panel[qs["limited"].name]["limits"] == "concurrency 3, rate 10/1m 00s"
+    assert panel[qs["groups"].name]["limits"] == "group concurrency 2"
+    busy = panel[qs["busy"].name]
+    assert (busy["in_flight"], busy["ready"], busy["limits"]) == (2, 1, "concurrency 2")
+    page = c.get("/").text
+    row = re.search(rf'<tr data-queue="{qs["limited"].name}">.*?</tr>', page, re.S)
+    assert row is not None and "concurrency 3, rate 10/1m 00s" in row.group(0)
+    row = re.search(rf'<tr data-queue="{qs["paused"].name}">.*?</tr>', page, re.S)
+    assert row is not None and re.search(r'data-flag="paused"\s*>paused<', row.group(0))

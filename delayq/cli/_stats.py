@@ -31,11 +31,13 @@ from delayq.tags import check_tag
 def stats(
     ctx: click.Context, queue: str | None, tag: str | None, as_json: bool, watch: bool, interval: float, times: int
 ) -> None:
-    """Per queue: ready, scheduled, in flight, expired locks, dead, kept completed and cancelled messages
-    (shown where there are some), age of the oldest due message, paused.
+    """Per queue: ready, scheduled, in flight (running now), expired locks, dead, kept completed and cancelled
+    messages (shown where there are some), age of the oldest due message, paused, and its limits (concurrency,
+    rate, group concurrency).
 
-    Without QUEUE: every queue with messages, dead letters or a cron schedule (a drained queue with none of
-    them is not known; name it to see its zeros). With --tag: the counts of the messages carrying the tag.
+    Without QUEUE: every queue with messages, dead letters, a cron schedule, a pause or a limit (a drained queue
+    with none of them is not known; name it to see its zeros). With --tag: the counts of the messages carrying
+    the tag.
     """
     if tag is not None:
         check_tag(tag)
@@ -45,9 +47,11 @@ def stats(
             # A named queue with nothing in it shows zeros: to monitoring, a drained queue is a queue.
             names = [check_queue_name(queue)] if queue else queue_names(conn, make_tables(ctx.obj["prefix"]))
             rows: list[dict[str, Any]] = []
+            limits: list[str] = []
             for name in names:
                 q = admin_queue(engine, ctx, name)
                 s, flow = q.stats(tag=tag, using=conn), q.flow(using=conn)
+                limits.append(flow.describe_limits())
                 rows.append(
                     {
                         "queue": name,
@@ -75,19 +79,21 @@ def stats(
             click.clear()
             click.echo(dt.datetime.now().strftime("%H:%M:%S"))
         if not as_json:
-            for r in rows:
+            for r, limits_said in zip(rows, limits, strict=True):
                 hidden_columns = ("priorities", "running", "concurrency_limit", "rate_limit", "rate_period_s")
                 for hidden in (*hidden_columns, "grouped", "group_concurrency"):
                     r.pop(hidden)
                 r["paused"] = "paused" if r["paused"] else ""
+                r["limits"] = limits_said
                 age = r.pop("oldest_due_age_s")
                 r["oldest_due"] = None if age is None else human(dt.timedelta(seconds=age))
         columns = ["queue", "ready", "scheduled", "in_flight", "expired_locks", "dead", "oldest_due"]
         for kept in ("completed", "cancelled"):  # kept states, where a queue keeps them (retention)
             if any(r[kept] for r in rows):
                 columns.insert(columns.index("oldest_due"), kept)
-        if any(r["paused"] for r in rows):
-            columns.append("paused")
+        for flow_column in ("paused", "limits"):  # where some queue is paused, or has a limit
+            if any(r.get(flow_column) for r in rows):
+                columns.append(flow_column)
         emit(rows, as_json, columns)
         shown += 1
         if not watch or (times and shown >= times):

@@ -40,17 +40,20 @@ def database_now_ms(conn: Connection) -> int:
 
 def _queue_names(stmts: Statements) -> sa.CompoundSelect[Any]:
     t = stmts.tables
-    m, dead, schedules, fin = t.messages, t.dead_letters, t.schedules, t.finished
+    m, dead, schedules, fin, flow = t.messages, t.dead_letters, t.schedules, t.finished, t.flow
+    set_by_hand = (flow.c.concurrency, flow.c.rate, flow.c.group_concurrency)  # (NULL: not set, or set back)
     return sa.union(
         sa.select(m.c.queue).distinct(),
         sa.select(dead.c.queue).distinct(),
         sa.select(schedules.c.queue).distinct(),
         sa.select(fin.c.queue).distinct(),
+        sa.select(flow.c.queue).where(sa.or_(flow.c.paused != 0, *(c.is_not(None) for c in set_by_hand))),
     )
 
 
 def queue_names(conn: Connection, tables: Tables) -> list[str]:
-    """Every queue with live messages, dead letters, kept finished messages or an installed cron schedule, sorted."""
+    """Every queue with live messages, dead letters, kept finished messages or an installed cron schedule, or
+    that is paused or has a limit set (concurrency, rate, group concurrency), sorted."""
     return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
 
 

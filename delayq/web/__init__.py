@@ -8,7 +8,8 @@ mount path). It reads and acts only through delayq's public operations, serves i
 Modules: ``_reads`` (what pages show, through the public reads), ``_pages`` (GET pages and their JSON
 panels), ``_actions`` (POST actions), ``_csrf`` (the double-submit token), ``_render`` (templates and the
 shared state), ``_snapshot`` (every queue's counts, read once for all viewers), ``_samples`` (the charts'
-in-memory history), ``_auth`` (HTTP basic auth for ``delayq web``).
+in-memory history), ``_auth`` (roles: ``authorize``'s answer; HTTP basic auth for ``delayq web``), ``_audit``
+(the audit page).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from delayq.errors import InvalidInputError
 from delayq.schema import DEFAULT_PREFIX
-from delayq.web import _actions, _pages
-from delayq.web._auth import BasicAuth
+from delayq.web import _actions, _audit, _pages
+from delayq.web._auth import Access, Authorize, BasicAuth, access_of, remember
 from delayq.web._reads import Where
 from delayq.web._render import HERE, Dashboard
 
-__all__ = ["BasicAuth", "app"]
+__all__ = ["Access", "BasicAuth", "app"]
 
 Handler = Callable[[Dashboard, Request], Awaitable[Response]]
 
@@ -40,7 +41,7 @@ def app(
     engine: sa.Engine,
     *,
     actions: bool = False,
-    authorize: Callable[[Request], bool] | None = None,
+    authorize: Authorize | None = None,
     table_prefix: str = DEFAULT_PREFIX,
     schema: str | None = None,
     refresh: float = 2.0,
@@ -52,8 +53,11 @@ def app(
             only while it reads).
         actions: allow the actions (run now, reschedule, cancel, requeue/purge dead letters, pause, resume,
             limits); False (read-only) by default. Actions are POSTs carrying a CSRF token.
-        authorize: called with every request (pages, panels, assets, actions); a False answer is a 403.
-            None lets every request through: protect the dashboard some other way (see docs/operations.md).
+        authorize: called with every request (pages, panels, assets, actions); a False (or None) answer is a
+            403. True lets the request in as an acting user; ``"read"`` or ``"act"`` says the user's role, an
+            ``Access`` their role and identity (recorded by the audit): a ``read`` user sees no forms and their
+            actions are refused (403). None (no hook) lets every request through as an acting user: protect
+            the dashboard some other way (see docs/operations.md, "Roles").
         table_prefix, schema: where delayq's tables are, as for ``DelayedQueue``.
         refresh: seconds between the live panels' reads in the browser; 2 by default.
     """
@@ -75,6 +79,7 @@ def app(
         route("/api/queue", _pages.queue_json),
         route("/api/topics", _pages.topics_json),
         route("/api/workers", _pages.workers_json),
+        route("/audit", _audit.page),
         route("/act/{action}", _actions.act, ("POST",)),
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
@@ -101,7 +106,9 @@ class _Authorized:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.dash.authorize is not None:
             request = Request(scope, receive)
-            if not self.dash.authorize(request):
+            granted = access_of(self.dash.authorize(request))
+            if granted is None:
                 await self.dash.error(request, 403, "not authorized")(scope, receive, send)
                 return
+            remember(scope, granted)
         await self.inner(scope, receive, send)

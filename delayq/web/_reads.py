@@ -103,15 +103,8 @@ class QueueView:
 
 
 def limits_text(f: FlowState) -> str:
-    """A queue's limits in a few words ("-" for none)."""
-    parts = []
-    if f.concurrency is not None:
-        parts.append(f"concurrency {f.concurrency}")
-    if f.rate is not None and f.rate_period is not None:
-        parts.append(f"rate {f.rate}/{human(f.rate_period)}")
-    if f.grouped:
-        parts.append(f"group concurrency {f.group_concurrency}")
-    return ", ".join(parts) or "-"
+    """A queue's limits in a few words, as ``delayq stats`` shows them ("-" for none)."""
+    return f.describe_limits() or "-"
 
 
 def overview(where: Where, below: Mapping[str, int] | None = None) -> tuple[dt.datetime, list[QueueView]]:

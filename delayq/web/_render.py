@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from delayq.humanize import human
 from delayq.web import _csrf
+from delayq.web._auth import Authorize, access
 from delayq.web._reads import Where
 from delayq.web._samples import Samples
 from delayq.web._snapshot import Snapshots
@@ -52,16 +52,14 @@ class Dashboard:
 
     where: Where
     actions: bool
-    authorize: Callable[[Request], bool] | None
+    authorize: Authorize | None
     refresh_s: float
     samples: Samples
     snapshots: Snapshots
     env: jinja2.Environment
 
     @classmethod
-    def make(
-        cls, where: Where, actions: bool, authorize: Callable[[Request], bool] | None, refresh_s: float
-    ) -> Dashboard:
+    def make(cls, where: Where, actions: bool, authorize: Authorize | None, refresh_s: float) -> Dashboard:
         samples = Samples(every=max(refresh_s, 1.0))
         snapshots = Snapshots.of(where, refresh_s, samples)
         return cls(where, actions, authorize, refresh_s, samples, snapshots, _environment())
@@ -73,7 +71,7 @@ class Dashboard:
         html = self.env.get_template(template).render(
             base=base,
             csrf=token,
-            actions=self.actions,
+            actions=self.can_act(request),
             refresh_ms=int(self.refresh_s * 1000),
             notice=unquote(request.cookies.get(NOTICE, "")),
             **context,
@@ -83,6 +81,11 @@ class Dashboard:
         if NOTICE in request.cookies:  # shown once
             response.delete_cookie(NOTICE, path=base or "/")
         return response
+
+    def can_act(self, request: Request) -> bool:
+        """Whether this request's user may act: actions are on and their role is ``act`` (the one flag the
+        templates check before they show a form)."""
+        return self.actions and access(request).role == "act"
 
     def error(self, request: Request, status: int, message: str) -> Response:
         return self.render(request, "error.html", status=status, message=message)
