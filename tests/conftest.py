@@ -280,6 +280,7 @@ AIO_CONTRACT_MODULES = {
     "test_lifecycle",
     "test_cancel",
     "test_tags",
+    "test_bulk",
 }
 """Modules whose queue tests run for the sync and the async API alike (``api`` parameter)."""
 AIO_SYNC_ONLY = {

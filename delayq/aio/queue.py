@@ -26,6 +26,7 @@ from delayq.errors import InvalidInputError
 from delayq.history import AttemptRecord
 from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
+from delayq.queue._bulk import BULK_BATCH, BulkOutcome, Progress, Walk
 from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import Serializer
@@ -397,6 +398,82 @@ class AsyncDelayedQueue:
     async def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: AsyncUsing = None) -> int:
         """Of the never-attempted messages under ``prefix`` due by ``now``, keep the newest; how many deleted."""
         return await self._run(using, lambda u: self.sync.coalesce_overdue(prefix, now, using=u))
+
+    async def cancel_matching(
+        self,
+        *,
+        state: str | None = None,
+        key_prefix: str | None = None,
+        tag: str | None = None,
+        batch_size: int = BULK_BATCH,
+        progress: Progress | None = None,
+        using: AsyncUsing = None,
+    ) -> BulkOutcome:
+        """Cancel every matching live message, in batches; see ``DelayedQueue.cancel_matching``."""
+        return await self._bulk(self.sync._cancel_walk(state, key_prefix, tag, batch_size), progress, using)
+
+    async def reschedule_matching(
+        self,
+        at: At = None,
+        *,
+        state: str | None = None,
+        key_prefix: str | None = None,
+        tag: str | None = None,
+        batch_size: int = BULK_BATCH,
+        progress: Progress | None = None,
+        using: AsyncUsing = None,
+    ) -> BulkOutcome:
+        """Make the matching messages not running due at ``at``; see ``DelayedQueue.reschedule_matching``."""
+        walk = self.sync._reschedule_walk(at, state, key_prefix, tag, batch_size)
+        return await self._bulk(walk, progress, using)
+
+    async def requeue_dead_matching(
+        self,
+        *,
+        key_prefix: str | None = None,
+        tag: str | None = None,
+        batch_size: int = BULK_BATCH,
+        progress: Progress | None = None,
+        using: AsyncUsing = None,
+    ) -> BulkOutcome:
+        """Requeue the matching dead letters, in batches; see ``DelayedQueue.requeue_dead_matching``."""
+        return await self._bulk(self.sync._requeue_walk(key_prefix, tag, batch_size), progress, using)
+
+    async def purge(
+        self,
+        *,
+        state: str,
+        key_prefix: str | None = None,
+        tag: str | None = None,
+        batch_size: int = BULK_BATCH,
+        progress: Progress | None = None,
+        using: AsyncUsing = None,
+    ) -> BulkOutcome:
+        """Delete the matching rows (never a running message), in batches; see ``DelayedQueue.purge``."""
+        return await self._bulk(self.sync._purge_walk(state, key_prefix, tag, batch_size), progress, using)
+
+    async def count_matching(
+        self,
+        *,
+        state: str | None = None,
+        key_prefix: str | None = None,
+        tag: str | None = None,
+        at_most: int | None = None,
+        using: AsyncUsing = None,
+    ) -> int:
+        """How many rows the bulk actions' filter matches; see ``DelayedQueue.count_matching``."""
+        return await self._run(
+            using,
+            lambda u: self.sync.count_matching(state=state, key_prefix=key_prefix, tag=tag, at_most=at_most, using=u),
+        )
+
+    async def _bulk(self, walk: Walk, progress: Progress | None, using: AsyncUsing) -> BulkOutcome:
+        """A bulk action's batches, each its own call (retried alone on a transient error)."""
+        while not walk.finished:
+            await self._run(using, lambda u: self.sync._bulk_batch(walk, u))
+            if progress is not None:
+                progress(walk.outcome)
+        return walk.outcome
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:

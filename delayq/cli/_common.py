@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import getpass
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 import click
 import sqlalchemy as sa
 
-from delayq import engines, migrations
+from delayq import audit, engines, migrations
 from delayq.dialects import dialect_class
 from delayq.errors import DelayqError, install_hint
 from delayq.humanize import human
@@ -235,3 +236,35 @@ def read_payload(arg: str) -> tuple[str, str]:
         except UnicodeDecodeError as exc:
             raise Fail(f"the payload file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return arg, "PAYLOAD"
+
+
+def operator() -> str:
+    """Who the audit records as acting from this command line: the OS user (``LOGNAME``, ``USER``, or the
+    account's name, as ``getpass.getuser``), else the user id."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # (no such variable, and no account of this uid)
+        return f"uid {os.getuid()}"
+
+
+def audited(ctx: click.Context, action: str, queue: str, count: int | None = None, **chosen: object) -> None:
+    """Record a done action in the audit (``delayq.audit``), right after it, in a transaction of its own:
+    ``chosen`` is what it selected or set (None values left out), ``count`` how many messages it affected.
+    A failure is a warning line that says the action was done; the command's exit status stays 0."""
+    engine = engines.create_engine(ctx.obj["url"])
+    try:
+        audit.record(
+            engine,
+            make_tables(ctx.obj["prefix"]),
+            action,
+            actor=operator(),
+            source="cli",
+            queue=queue,
+            filter=chosen,
+            count=count,
+        )
+    except (sa.exc.SQLAlchemyError, DelayqError) as exc:  # (whatever it is, the action stands)
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        click.echo(f"warning: {action} on {queue!r} was done, but not recorded in the audit: {reason}", err=True)
+    finally:
+        engine.dispose()

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from delayq import engines
 from delayq.browse import State, list_messages
-from delayq.cli._common import Fail, connect, friendly
+from delayq.cli._common import Fail, audited, connect, friendly
 from delayq.cli._root import _noted, admin_queue, main, unknown_queue_note
 from delayq.schema import make_tables
 
@@ -74,6 +74,7 @@ def _dead_command(verb: str) -> Callable[..., None]:
         finally:
             engine.dispose()
         click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")
+        audited(ctx, verb if key else f"{verb}-all", queue, done, key=key, prefix=key_prefix, all=everything or None)
 
     command.__doc__ = f"{verb.capitalize()} dead letters (asks first unless --yes)."
     return command

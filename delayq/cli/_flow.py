@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from delayq.cli._common import Fail, connect, friendly
+from delayq.cli._common import Fail, audited, connect, friendly
 from delayq.cli._root import admin_queue, main, parse_duration
 from delayq.humanize import human
 from delayq.queue import check_queue_name
@@ -21,6 +21,7 @@ def pause(ctx: click.Context, queue: str) -> None:
         conn.rollback()
         admin_queue(engine, ctx, check_queue_name(queue)).pause()
     click.echo(f"{queue}: paused")
+    audited(ctx, "pause", queue)
 
 
 @main.command()
@@ -33,6 +34,7 @@ def resume(ctx: click.Context, queue: str) -> None:
         conn.rollback()
         admin_queue(engine, ctx, check_queue_name(queue)).resume()
     click.echo(f"{queue}: resumed")
+    audited(ctx, "resume", queue)
 
 
 def _limit(text: str | None, what: str) -> int | None:
@@ -85,3 +87,4 @@ def limit(
     )
     limits = f"concurrency {flow.concurrency or 'none'}, rate {shown_rate}"
     click.echo(f"{queue}: {limits}, group concurrency {flow.group_concurrency}")
+    audited(ctx, "limits", queue, concurrency=concurrency, rate=rate, per=per_text, group_concurrency=group_concurrency)

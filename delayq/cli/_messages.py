@@ -15,6 +15,7 @@ from delayq.cli._common import (
     STATE_COLOURS,
     Fail,
     _cell,
+    audited,
     connect,
     emit,
     friendly,
@@ -165,6 +166,7 @@ def reschedule(ctx: click.Context, queue: str, key: str, at_text: str | None, in
         raise Fail("give exactly one of --at TIME or --in DURATION")
     at: dt.datetime | dt.timedelta = parse_time(at_text) if at_text else parse_duration(in_text or "")
     _act(ctx, queue, key, lambda q: q.reschedule(key, at), "rescheduled")
+    audited(ctx, "reschedule", queue, 1, key=key, due=at_text or f"in {in_text}")
 
 
 @main.command(name="run-now")
@@ -175,6 +177,7 @@ def reschedule(ctx: click.Context, queue: str, key: str, at_text: str | None, in
 def run_now(ctx: click.Context, queue: str, key: str) -> None:
     """Make a message due now."""
     _act(ctx, queue, key, lambda q: q.reschedule(key), "due now")
+    audited(ctx, "run-now", queue, 1, key=key)
 
 
 CANCEL_CHUNK = 1000
@@ -239,6 +242,7 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
             click.echo(f"{queue}: cancelled running message {key}: its worker is told")
         else:
             click.echo(f"{queue}: cancelled queued message {key}")
+        audited(ctx, "cancel", queue, 1, key=key)
         return
     assert key_prefix is not None
     with connect(ctx) as (engine, conn):
@@ -258,6 +262,7 @@ def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | No
                 done += q.cancel(sub) if exact else q.cancel_prefix(sub)
                 bar.update(n)
     click.echo(f"{queue}: {done} message(s) cancelled")
+    audited(ctx, "cancel", queue, done, prefix=key_prefix)
 
 
 @main.command()

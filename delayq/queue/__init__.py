@@ -2,12 +2,16 @@
 
 The class is made of one part per job, each in its own module: ``_offer`` (the offer path), ``_claims``
 (claim, ack, extend, retry, dead-letter, give back), ``_queued`` (operations on queued messages),
-``_dead`` (the dead letters), on ``_base`` (the constructor, transactions, "now", decoding); ``_checks``
-validates what callers pass, ``_tokens`` makes lock tokens, ``_lost`` counts lost locks.
+``_dead`` (the dead letters), ``_bulk`` (cancel, requeue, purge, reschedule and count on a filter, in
+batches), on ``_base`` (the constructor, transactions, "now", decoding); ``_checks`` validates what callers
+pass, ``_tokens`` makes lock tokens, ``_lost`` counts lost locks.
 """
 
 from __future__ import annotations
 
+from delayq.queue._bulk import BULK_BATCH as BULK_BATCH
+from delayq.queue._bulk import BulkOutcome as BulkOutcome
+from delayq.queue._bulk import _Bulk
 from delayq.queue._checks import At as At
 from delayq.queue._checks import check_key as check_key
 from delayq.queue._checks import check_prefix as check_prefix
@@ -25,10 +29,10 @@ from delayq.queue._tokens import claimed_at as claimed_at
 from delayq.queue._tokens import new_token as new_token
 from delayq.transactions import Using
 
-__all__ = ["At", "DelayedQueue", "Using"]
+__all__ = ["At", "BulkOutcome", "DelayedQueue", "Using"]
 
 
-class DelayedQueue(_Offers, _Claims, _Queued, _DeadLetters):
+class DelayedQueue(_Offers, _Claims, _Bulk, _Queued, _DeadLetters):
     """One named queue of delayed messages in a relational database.
 
     Args:

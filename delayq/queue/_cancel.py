@@ -16,8 +16,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from delayq.clock import to_ms
 from delayq.dialects import Statements
 from delayq.queue._lifecycle import CANCELLED, COMPLETED
+from delayq.queue._tokens import claimed_at
 
 FINISHED_COMPLETED = COMPLETED
 """``finished.state`` of a completed message (``delayq.queue._lifecycle``)."""
@@ -75,6 +77,20 @@ def statements(stmts: Statements) -> CancelStatements:
         delete_id=sa.delete(m).where(m.c.id == sa.bindparam("msg_id", type_=sa.BigInteger)),
         notify=stmts.kind.notify_cancel_statement(stmts.tables),
     )
+
+
+def running(row: Any) -> bool:
+    """Whether a message read with its ``lock_token``, ``scheduled_at`` and ``now`` is running: locked, the lock
+    unexpired (a cancel records it and tells its worker; an expired lock's message is queued again)."""
+    return row.lock_token is not None and int(row.scheduled_at) > int(row.now)
+
+
+def cancelled_row(row: Any, keep_ms: int) -> dict[str, Any]:
+    """The ``finished`` row recording ``row`` (read by ``lock_by_key``'s columns) as cancelled now, kept ``keep_ms``;
+    a running one with how long it had run since its claim."""
+    claimed = claimed_at(row.lock_token) if running(row) else None
+    took = None if claimed is None else max(0, int(row.now) - to_ms(claimed))
+    return finished_row(row, FINISHED_CANCELLED, keep_ms, took)
 
 
 def finished_row(row: Any, state: int, keep_ms: int, duration_ms: int | None) -> dict[str, Any]:

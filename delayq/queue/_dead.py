@@ -53,28 +53,34 @@ class _DeadLetters(_QueueBase):
         were); its ``attempts`` count starts afresh, so it gets its handler's whole retry budget
         again. False when there is none, or when a live message already holds the key (it stays dead).
         """
-        params = {"queue_name": self.name, "msg_key": check_key(key), "due_at": None, "due_in": 0, **self._now_param()}
+        params = {"queue_name": self.name, "msg_key": check_key(key)}
 
         def op(conn: Connection, dialect: Dialect) -> bool:
-            stmts = self._statements(dialect)
-            row = conn.execute(stmts.memo(history_sql).dead_latest, params).first()
-            if row is None or not dialect.insert_if_absent(
-                conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
-            ):
-                return False
-            if row.last_error is not None or row.attempt_history is not None or row.headers is not None or row.tags:
-                restore = {
-                    **params,
-                    "error": row.last_error,
-                    "history": row.attempt_history,
-                    "headers": row.headers,
-                    "tags": row.tags,
-                }
-                conn.execute(stmts.memo(history_sql).restore_requeued, restore)
-            conn.execute(stmts.dead_delete, {"dead_id": row.id})
-            return True
+            row = conn.execute(self._statements(dialect).memo(history_sql).dead_latest, params).first()
+            return row is not None and self._requeue_row(conn, dialect, row)
 
         return self._runner.run(using, op, "transaction")
+
+    def _requeue_row(self, conn: Connection, dialect: Dialect, row: Any) -> bool:
+        """Move the dead letter ``row`` (read under a lock: its id, key, payload, payload_type, last_error,
+        attempt_history, headers, tags) back into the queue, due now; False when a live message holds its key."""
+        stmts = self._statements(dialect)
+        params = {"queue_name": self.name, "msg_key": row.key, "due_at": None, "due_in": 0, **self._now_param()}
+        if not dialect.insert_if_absent(
+            conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
+        ):
+            return False
+        if row.last_error is not None or row.attempt_history is not None or row.headers is not None or row.tags:
+            restore = {
+                **params,
+                "error": row.last_error,
+                "history": row.attempt_history,
+                "headers": row.headers,
+                "tags": row.tags,
+            }
+            conn.execute(stmts.memo(history_sql).restore_requeued, restore)
+        conn.execute(stmts.dead_delete, {"dead_id": row.id})
+        return True
 
     def purge_dead(
         self, *, key: str | None = None, key_prefix: str | None = None, everything: bool = False, using: Using = None
