@@ -12,6 +12,7 @@ import threading
 from typing import Protocol, runtime_checkable
 
 from delayq.errors import InvalidTimeError
+from delayq.humanize import exact
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 LATEST = dt.datetime(9000, 1, 1, tzinfo=dt.UTC)
@@ -98,5 +99,5 @@ def duration_ms(value: dt.timedelta, name: str = "duration") -> int:
     if not isinstance(value, dt.timedelta):
         raise InvalidTimeError(f"{name} must be a timedelta, got {type(value).__name__}")
     if abs(value) > MAX_DURATION:
-        raise InvalidTimeError(f"{name} {value} is out of range: at most 100 years either way")
+        raise InvalidTimeError(f"{name} {exact(value)} is out of range: at most 100 years either way")
     return value.days * 86_400_000 + value.seconds * 1000 + value.microseconds // 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 
-__all__ = ["human", "shorten"]
+__all__ = ["exact", "human", "shorten"]
 
 
 def human(span: dt.timedelta) -> str:
@@ -23,6 +23,24 @@ def human(span: dt.timedelta) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m"
     return f"{minutes}m {seconds:02d}s"
+
+
+def exact(span: dt.timedelta) -> str:
+    """A duration as an error message gives it back: signed, to the millisecond, its zero parts left out:
+    ``-1s``, ``250ms``, ``1.5s``, ``1m 30s``, ``2d 4h`` (``human`` rounds, and drops the sign)."""
+    micros = (span.days * 86_400 + span.seconds) * 1_000_000 + span.microseconds  # (abs() overflows at the edge)
+    ms = abs(micros) // 1000
+    sign = "-" if micros < 0 and ms else ""
+    if ms < 1000:
+        return f"{sign}{ms}ms"
+    seconds, ms = divmod(ms, 1000)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    parts = [f"{n}{unit}" for n, unit in ((days, "d"), (hours, "h"), (minutes, "m")) if n]
+    if seconds or ms:
+        parts.append(f"{seconds}.{ms:03d}".rstrip("0").rstrip(".") + "s")
+    return sign + " ".join(parts)
 
 
 def shorten(value: object, limit: int) -> object:

@@ -21,7 +21,7 @@ import delayq
 
 PACKAGE = Path(delayq.__file__).parent
 
-LEAVES = {"delayq.errors", "delayq.clock", "delayq.schema", "delayq.serializers"}
+LEAVES = {"delayq.errors", "delayq.clock", "delayq.schema", "delayq.serializers", "delayq.humanize"}
 """The bottom of the stack (DESIGN.md "Layout"): they import no other delayq module but each other and
 ``delayq.dialects.types``, the column types whose DDL differs per backend (a leaf of the dialects)."""
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from delayq.clock import duration_ms
 from delayq.dialects import Dialect, Statements
 from delayq.errors import InvalidInputError
+from delayq.humanize import exact
 
 COMPLETED = 1
 """``finished.state`` of a message whose handler succeeded."""
@@ -50,7 +51,7 @@ def _period(value: dt.timedelta | None, name: str, *, zero: bool) -> int | None:
         return None
     ms = duration_ms(value, name)
     if ms < 0 or (ms == 0 and not zero):
-        raise InvalidInputError(f"{name} must be {'zero or ' if zero else ''}positive, got {value}")
+        raise InvalidInputError(f"{name} must be {'zero or ' if zero else ''}positive, got {exact(value)}")
     return ms
 
 

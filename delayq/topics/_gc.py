@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection
 
 from delayq.dialects import Dialect
 from delayq.errors import InvalidInputError
+from delayq.humanize import exact
 from delayq.schema import TopicTables
 from delayq.topics._context import TopicContext
 
@@ -79,7 +80,8 @@ def _statements(ctx: TopicContext, dialect: Dialect) -> _Statements:
 def check_retention(keep_for: dt.timedelta, batch: int) -> None:
     """Refuse a negative ``keep_for`` or a ``batch`` below 1 (``InvalidInputError``, one line)."""
     if not isinstance(keep_for, dt.timedelta) or keep_for < dt.timedelta(0):
-        raise InvalidInputError(f"keep_for must be a timedelta of 0 or more, got {keep_for!r}")
+        shown = exact(keep_for) if isinstance(keep_for, dt.timedelta) else repr(keep_for)
+        raise InvalidInputError(f"keep_for must be a timedelta of 0 or more, got {shown}")
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InvalidInputError(f"batch must be a positive int, got {batch!r}")
 
