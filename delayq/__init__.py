@@ -12,6 +12,7 @@ from delayq.errors import (
     PayloadError,
     SchemaMissingError,
     SerializationMismatchError,
+    UnknownMessageError,
     UnsupportedDatabaseError,
     WrongApiError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "TopicDelivery",
     "TopicHandler",
     "TransientRetry",
+    "UnknownMessageError",
     "UnsupportedDatabaseError",
     "Worker",
     "WorkerHealth",

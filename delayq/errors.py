@@ -8,6 +8,8 @@ Everything delayq raises on purpose derives from ``DelayqError``::
     │   ├── InvalidQueueError    empty queue name, name over 100 characters
     │   ├── InvalidTimeError     naive datetime, wrong type for a time
     │   └── PayloadError         the serializer cannot encode the payload, or it is over 8 MiB
+    ├── UnknownMessageError      ``wait(key)`` on a key with nothing under it: no live message, kept row or dead
+    │                            letter (also a KeyError)
     ├── SerializationMismatchError   a stored row was written by another serializer
     ├── SchemaMissingError       delayq's tables are not there: run `delayq migrate`
     │   └── SchemaRevisionError  they are at another revision than this delayq's (older or newer)
@@ -47,6 +49,13 @@ class InvalidTimeError(InvalidInputError):
 
 class PayloadError(InvalidInputError):
     """The queue's serializer cannot encode the payload."""
+
+
+class UnknownMessageError(DelayqError, KeyError):
+    """A key names no message of the queue: none live, none kept (``retention``) and no dead letter."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # (KeyError's own quotes its message)
 
 
 class SerializationMismatchError(DelayqError):

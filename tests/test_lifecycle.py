@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import Backend, make_engine
 
-from delayq import DelayedQueue, Delivery, Handler, ManualClock, OfferOutcome, Worker
+from delayq import DelayedQueue, Delivery, Handler, ManualClock, OfferOutcome, UnknownMessageError, Worker
 from delayq.errors import InvalidInputError
 from delayq.queue._prune import Pruner
 from delayq.schema import make_tables
@@ -176,7 +176,6 @@ def test_wait_returns_what_was_kept_or_times_out(make_queue: Callable[..., Delay
     assert d.ack(result=42)
     done = q.wait("job", MINUTE)
     assert done is not None and (done.state, done.result) == ("completed", 42)
-    assert q.wait("never-offered", MINUTE) is None
 
 
 def test_wait_wakes_when_another_thread_completes_the_message(backend: Backend, queue_name: str) -> None:
@@ -571,3 +570,56 @@ def test_an_async_workers_pruner_deletes_kept_messages(aio_runner: Any, queue_na
         return pruner.deleted
 
     assert aio_runner.run(run()) >= 1
+
+
+# -- wait on a key never seen; durations in its errors ----------------------------------------------------------
+def test_wait_on_a_key_never_seen_raises_unknown_message_error(make_queue: Callable[..., DelayedQueue]) -> None:
+    q = make_queue(retention=HOUR)
+    with pytest.raises(UnknownMessageError) as raised:
+        q.wait("never-offered", MINUTE)
+    assert isinstance(raised.value, KeyError)
+    assert str(raised.value) == f"no message 'never-offered' in queue {q.name!r}: none live, kept or dead-lettered"
+
+
+def test_wait_returns_none_when_the_message_it_saw_finished_and_nothing_was_kept(
+    make_queue: Callable[..., DelayedQueue], api: str
+) -> None:
+    """No retention: the ack keeps nothing. The ack runs right after wait's first look (a hook on ``get``), so
+    wait saw the message live: None, not ``UnknownMessageError``."""
+    q = make_queue()
+    q.offer("job", 1)
+    [d] = q.try_poll_many(1)
+    acked: list[bool] = []
+    target: Any = q._target if api == "async" else q  # type: ignore[attr-defined]
+    looked = target.get
+    if api == "async":
+
+        async def get(*args: Any, **kwargs: Any) -> Any:
+            found = await looked(*args, **kwargs)
+            if not acked:
+                acked.append(await d._target.ack())  # type: ignore[attr-defined]
+            return found
+
+    else:
+
+        def get(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            found = looked(*args, **kwargs)
+            if not acked:
+                acked.append(d.ack())
+            return found
+
+    target.get = get
+    assert q.wait("job", MINUTE) is None and acked == [True]
+
+
+def test_durations_in_errors_read_as_people_write_them(make_queue: Callable[..., DelayedQueue]) -> None:
+    with pytest.raises(InvalidInputError, match=r"^retention must be zero or positive, got -1s$"):
+        make_queue(retention=-dt.timedelta(seconds=1))
+    q = make_queue(retention=HOUR)
+    q.offer("job", 1)
+    with pytest.raises(InvalidInputError, match=r"^timeout must not be negative, got -1.5s$"):
+        q.wait("job", -dt.timedelta(seconds=1.5))
+    with pytest.raises(TimeoutError, match=r"still ready after 0ms$"):
+        q.wait("job", dt.timedelta(0))
+    with pytest.raises(InvalidInputError, match=r"^keep_for must not be negative, got -1m 30s$"):
+        q.cancel_job("job", keep_for=-dt.timedelta(seconds=90))

@@ -42,6 +42,7 @@ EXPECTED = {
     "TopicDelivery",
     "TopicHandler",
     "TransientRetry",
+    "UnknownMessageError",
     "UnsupportedDatabaseError",
     "Worker",
     "WorkerHealth",

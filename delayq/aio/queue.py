@@ -20,14 +20,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from delayq.aio.bridge import NO_RETRY, AsyncUsing, Bridge
-from delayq.clock import Clock, duration_ms
+from delayq.clock import Clock
 from delayq.dialects import dialect_for
-from delayq.errors import InvalidInputError
 from delayq.history import AttemptRecord
 from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
 from delayq.queue._bulk import BULK_BATCH, BulkOutcome, Progress, Walk
 from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT
+from delayq.queue._queued import _timed_out, _wait_limit, _waited
 from delayq.schema import DEFAULT_PREFIX
 from delayq.serializers import Serializer
 from delayq.transactions import DEFAULT_RETRY, TransientRetry
@@ -189,8 +189,9 @@ class AsyncDelayedQueue:
         """Limit how many of the queue's messages run at once; see ``DelayedQueue.set_concurrency_limit``."""
         await self._run(using, lambda u: self.sync.set_concurrency_limit(limit, using=u))
 
-    async def set_group_concurrency(self, limit: int, *, using: AsyncUsing = None) -> None:
-        """How many messages of one group may run at once; see ``DelayedQueue.set_group_concurrency``."""
+    async def set_group_concurrency(self, limit: int | None, *, using: AsyncUsing = None) -> None:
+        """How many messages of one group may run at once (None: the default, 1); see
+        ``DelayedQueue.set_group_concurrency``."""
         await self._run(using, lambda u: self.sync.set_group_concurrency(limit, using=u))
 
     async def set_rate_limit(
@@ -311,25 +312,26 @@ class AsyncDelayedQueue:
     async def wait(self, key: str, timeout: dt.timedelta, *, using: AsyncUsing = None) -> Message | None:
         """Wait until no live message holds ``key``, then what was kept of it; see ``DelayedQueue.wait``.
 
-        ``TimeoutError`` after ``timeout``. On PostgreSQL a completion's NOTIFY wakes it; it polls
-        meanwhile (every 50 ms, backing off to 1 s).
+        ``UnknownMessageError`` when nothing is under ``key`` at its first look; ``TimeoutError`` after
+        ``timeout``. On PostgreSQL a completion's NOTIFY wakes it; it polls meanwhile (every 50 ms, backing
+        off to 1 s).
         """
-        limit = duration_ms(timeout, "timeout") / 1000
-        if limit < 0:
-            raise InvalidInputError("timeout must not be negative")
+        limit = _wait_limit(timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         heard = asyncio.Event()
         listener = self._listen_for_finished(heard) if self.sync.notify else None
         try:
-            pause = 0.05
+            pause, first = 0.05, True
             while True:
                 found = await self.get(key, include_dead=True, using=using)
-                if found is None or found.finished:
+                if _waited(self.name, key, found, first):
                     return found
+                assert found is not None
+                first = False
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise TimeoutError(f"message {key!r} of queue {self.name!r} still {found.state} after {timeout}")
+                    raise _timed_out(self.name, key, found, timeout)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(heard.wait(), min(left, 1.0 if listener is not None else pause))
                 heard.clear()

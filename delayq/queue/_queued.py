@@ -22,7 +22,8 @@ from delayq.dialects.base import (
     prefix_bounds,
     stats_statement,
 )
-from delayq.errors import InvalidInputError
+from delayq.errors import InvalidInputError, UnknownMessageError
+from delayq.humanize import exact
 from delayq.messages import CancelOutcome, Message, QueueStats
 from delayq.queue import _cancel as cancel_sql
 from delayq.queue._base import _QueueBase
@@ -113,25 +114,27 @@ class _Queued(_QueueBase):
     def wait(self, key: str, timeout: dt.timedelta, *, using: Using = None) -> Message | None:
         """Wait until no live message holds ``key``; then what was kept of it, as ``get(include_dead=True)``.
 
-        Returns the ``completed`` / ``cancelled`` / ``dead`` message, or None when nothing was kept (a queue
-        without ``retention``, or no such key). Raises ``TimeoutError`` when the message is still live after
-        ``timeout``. PostgreSQL wakes it when a completion commits (LISTEN/NOTIFY); elsewhere, and as a
-        safety net, it polls (every 50 ms, backing off to 1 s).
+        Returns the ``completed`` / ``cancelled`` / ``dead`` message, or None when the live message it saw
+        finished and nothing was kept (a queue without ``retention``). Raises ``UnknownMessageError`` (a
+        ``KeyError``) when nothing is under ``key`` at its first look (never offered, or gone without a kept
+        row before the call), and ``TimeoutError`` when the message is still live after ``timeout``.
+        PostgreSQL wakes it when a completion commits (LISTEN/NOTIFY); elsewhere, and as a safety net, it
+        polls (every 50 ms, backing off to 1 s).
         """
-        limit = duration_ms(timeout, "timeout") / 1000
-        if limit < 0:
-            raise InvalidInputError("timeout must not be negative")
+        limit = _wait_limit(timeout)
         deadline = time.monotonic() + limit
         woken = _Wakeups(self) if dialect_for(self.engine).can_notify and self.notify else None
         try:
-            pause = 0.05
+            pause, first = 0.05, True
             while True:
                 found = self.get(key, include_dead=True, using=using)
-                if found is None or found.finished:
+                if _waited(self.name, key, found, first):
                     return found
+                assert found is not None
+                first = False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"message {key!r} of queue {self.name!r} still {found.state} after {timeout}")
+                    raise _timed_out(self.name, key, found, timeout)
                 if woken is not None:
                     woken.wait(min(left, 1.0))
                 else:
@@ -161,8 +164,8 @@ class _Queued(_QueueBase):
         """
         params = {"queue_name": self.name, "msg_key": check_key(key), **self._now_param()}
         keep_ms = None if keep_for is None else duration_ms(keep_for, "keep_for")
-        if keep_ms is not None and keep_ms < 0:
-            raise InvalidInputError("keep_for must not be negative")
+        if keep_for is not None and keep_for < dt.timedelta(0):
+            raise InvalidInputError(f"keep_for must not be negative, got {exact(keep_for)}")
         keeps = self._keeps_cancelled()
 
         def fast(conn: Connection, dialect: Dialect) -> bool:
@@ -326,6 +329,26 @@ def _keys_between(stmts: Statements) -> sa.Select[Any]:
     return sa.select(m.c.id, m.c.key, m.c.lock_token, m.c.attempts).where(
         m.c.queue == sa.bindparam("queue_name", type_=sa.String), stmts.starts_with(m.c.key, "range")
     )
+
+
+def _wait_limit(timeout: dt.timedelta) -> float:
+    """``wait``'s timeout in seconds; ``InvalidInputError`` when negative."""
+    limit = duration_ms(timeout, "timeout") / 1000
+    if limit < 0:
+        raise InvalidInputError(f"timeout must not be negative, got {exact(timeout)}")
+    return limit
+
+
+def _waited(queue: str, key: str, found: Message | None, first: bool) -> bool:
+    """Whether ``wait`` (sync and async) is done with what ``get`` found: a kept message, or None after a live
+    one; ``UnknownMessageError`` when its first look finds nothing under ``key``."""
+    if found is None and first:
+        raise UnknownMessageError(f"no message {key!r} in queue {queue!r}: none live, kept or dead-lettered")
+    return found is None or found.finished
+
+
+def _timed_out(queue: str, key: str, found: Message, timeout: dt.timedelta) -> TimeoutError:
+    return TimeoutError(f"message {key!r} of queue {queue!r} still {found.state} after {exact(timeout)}")
 
 
 class _Wakeups:
