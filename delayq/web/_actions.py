@@ -22,7 +22,7 @@ from starlette.responses import RedirectResponse, Response
 
 from delayq import audit
 from delayq.browse import State, list_messages
-from delayq.errors import InvalidInputError
+from delayq.errors import DelayqError, InvalidInputError
 from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.web import _csrf
@@ -93,7 +93,7 @@ def _recorded(where: Where, who: str, name: str, queue: str, form: dict[str, str
         audit.record(
             where.engine, where.tables, name, actor=who, source="web", queue=queue, filter=chosen, count=done.count
         )
-    except sa.exc.SQLAlchemyError as exc:  # (whatever it is, the action stands: say so, and why it is unrecorded)
+    except (sa.exc.SQLAlchemyError, DelayqError) as exc:  # (whatever it is, the action stands: say so)
         log.exception("delayq web: %s on %r was done but not recorded in the audit", name, queue)
         return f"{done.text} (done, but not recorded in the audit: {type(exc).__name__})"
     return done.text
