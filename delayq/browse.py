@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delayq.clock import from_ms, to_ms
+from delayq.errors import InvalidInputError
 from delayq.history import AttemptRecord, parse
 from delayq.queue import _views, _workers, claimed_at
 from delayq.schema import Tables
@@ -209,6 +210,31 @@ frozen or cut off): its row stays for an hour, then a running worker deletes it.
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """A delivery whose handler a worker was running at its last heartbeat (``WorkerInfo.running``)."""
+
+    queue: str
+    """Its queue; for a topic handler's delivery, the topic and consumer group as ``topic/group``."""
+    key: str
+    """The message's key (a topic message's id)."""
+    attempt: int
+    """Which delivery of the message this is (1 for the first)."""
+    running_for: dt.timedelta
+    """How long its handler has run: at the heartbeat, plus the time since for a running worker."""
+    topic: bool = False
+    """Whether it is a topic handler's delivery."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "key": self.key,
+            "attempt": self.attempt,
+            "running_seconds": self.running_for.total_seconds(),
+            "topic": self.topic,
+        }
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """A worker (``Worker`` or ``AsyncWorker``) as its row in the worker registry says, at ``now``."""
 
@@ -233,6 +259,10 @@ class WorkerInfo:
     stopped_at: dt.datetime | None
     now: dt.datetime
     """The database's clock when the row was read."""
+    running: tuple[RunningJob, ...] = ()
+    """What its handlers were running at its last heartbeat, the longest-running first (a heartbeat writes at
+    most 16 KB of them: ``slots_in_use`` counts them all); none once it stopped."""
+
 
     @property
     def state(self) -> str:
@@ -270,6 +300,7 @@ class WorkerInfo:
             "stopped_at": None if self.stopped_at is None else self.stopped_at.isoformat(),
             "since_seconds": self.since.total_seconds(),
             "heartbeat_seconds": self.last_heartbeat.total_seconds(),
+            "running": [r.as_dict() for r in self.running],
         }
 
 
@@ -281,6 +312,7 @@ def list_workers(conn: sa.Connection, tables: Tables) -> list[WorkerInfo]:
     now = from_ms(now_ms)
     return [
         WorkerInfo(
+            running=_running(r.running, now_ms - int(r.heartbeat_at), r.stopped_at is None),
             id=r.id,
             name=r.name,
             host=r.host,
@@ -298,6 +330,117 @@ def list_workers(conn: sa.Connection, tables: Tables) -> list[WorkerInfo]:
         )
         for r in rows
     ]
+
+
+def _running(text: str | None, since_beat_ms: int, live: bool) -> tuple[RunningJob, ...]:
+    """A registry row's ``running`` JSON (see ``delayq.runtime._registry``); a running worker's run times go on
+    from its heartbeat (``since_beat_ms`` ago), a gone one's stay as of its last heartbeat."""
+    if not text:
+        return ()
+    if not live or since_beat_ms > GONE_AFTER.total_seconds() * 1000:
+        since_beat_ms = 0
+    return tuple(
+        RunningJob(
+            queue=str(r.get("queue") or r.get("topic") or ""),
+            key=str(r["key"]),
+            attempt=int(r["attempt"]),
+            running_for=dt.timedelta(milliseconds=int(r["ms"]) + max(since_beat_ms, 0)),
+            topic="topic" in r,
+        )
+        for r in json.loads(text)
+    )
+
+
+HISTORY_SPAN = dt.timedelta(hours=24)
+"""How far back the queue history goes: the workers delete older minutes."""
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    """One minute of a queue's history (or of every queue's, summed): the deliveries the workers finished."""
+
+    minute: dt.datetime
+    """The minute's start (database time)."""
+    processed: int
+    """Handled and acked."""
+    failed: int
+    """Failed attempts recorded for a retry (a handler's exception, ``Retry``, a timeout)."""
+    dead_lettered: int
+    """Moved to the dead letters (attempts used up, ``DeadLetter``, undecodable)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "minute": self.minute.isoformat(),
+            "processed": self.processed,
+            "failed": self.failed,
+            "dead_lettered": self.dead_lettered,
+        }
+
+
+@dataclass(frozen=True)
+class QueueHistory:
+    """A queue's (or every queue's) outcomes per minute from ``start`` to ``now``: minutes without any are left
+    out (``dense()`` fills them in)."""
+
+    queue: str | None
+    start: dt.datetime
+    """The first minute of the span."""
+    now: dt.datetime
+    points: tuple[HistoryPoint, ...]
+
+    def dense(self) -> list[HistoryPoint]:
+        """Every minute from ``start`` to ``now``'s, zeros where nothing was counted."""
+        found = {p.minute: p for p in self.points}
+        minutes = int((self.now - self.start).total_seconds() // 60) + 1
+        at = [self.start + dt.timedelta(minutes=i) for i in range(max(minutes, 0))]
+        return [found.get(m) or HistoryPoint(m, 0, 0, 0) for m in at]
+
+    def totals(self) -> tuple[int, int, int]:
+        """Processed, failed and dead-lettered over the span."""
+        return (
+            sum(p.processed for p in self.points),
+            sum(p.failed for p in self.points),
+            sum(p.dead_lettered for p in self.points),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """As ``delayq history --json`` and the dashboard's ``/history.json`` give it (minutes with counts only)."""
+        processed, failed, dead = self.totals()
+        return {
+            "queue": self.queue,
+            "start": self.start.isoformat(),
+            "now": self.now.isoformat(),
+            "points": [p.as_dict() for p in self.points],
+            "totals": {"processed": processed, "failed": failed, "dead_lettered": dead},
+        }
+
+
+def queue_history(
+    conn: sa.Connection,
+    tables: Tables,
+    queue: str | None = None,
+    *,
+    span: dt.timedelta = HISTORY_SPAN,
+    now: dt.datetime | None = None,
+) -> QueueHistory:
+    """What the workers processed, failed and dead-lettered per minute over the last ``span`` (at most a day),
+    for ``queue`` or summed over every queue (None), up to ``now`` (the database's clock by default).
+
+    The workers count outcomes as they record them and add the counts to the minute's row with their registry
+    heartbeat (every 10 s, and at a clean stop), so the last minute fills in as they beat. One statement (two
+    without ``now``). See docs/operations.md "History"."""
+    if not dt.timedelta(minutes=1) <= span <= HISTORY_SPAN:
+        raise InvalidInputError(f"a history's span is from 1 minute to {HISTORY_SPAN}, not {span}")
+    now_ms = _views.database_now_ms(conn) if now is None else to_ms(now)
+    last = now_ms - now_ms % _workers.MINUTE_MS
+    start_ms = last - (int(span.total_seconds() * 1000) // _workers.MINUTE_MS - 1) * _workers.MINUTE_MS
+    rows = _workers.history(conn, tables, queue, start_ms)
+    points = tuple(
+        HistoryPoint(from_ms(int(r.minute)), int(r.processed), int(r.failed), int(r.dead_lettered))
+        for r in rows
+        if int(r.minute) <= last
+    )
+    return QueueHistory(queue, from_ms(start_ms), from_ms(now_ms), points)
 
 
 def database_now(conn: sa.Connection) -> dt.datetime:

@@ -315,3 +315,62 @@ def test_a_row_another_transaction_holds_is_skipped_and_counted_or_waited_for_bo
         assert q.purge(state="ready", batch_size=5) == BulkOutcome(done=2)
     finally:
         other.dispose()
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+def cli(backend: Backend, *args: str, input: str | None = None) -> Any:
+    from click.testing import CliRunner
+
+    from delayq.cli import main
+
+    return CliRunner().invoke(main, ["--url", backend.url, *args], input=input, catch_exceptions=False)
+
+
+def test_delayq_purge_counts_asks_purges_in_batches_and_never_a_running_message(
+    backend: Backend, queue_name: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("r/run", 0, -MINUTE)
+    [held] = q.try_poll_many(1)  # running: never purged
+    q.offer_many([(f"r/{i}", i, None) for i in range(5)] + [("s/1", 0, HOUR)], tags=["eu"])
+    declined = cli(backend, "purge", queue_name, "--state", "all", "--key-prefix", "r/", input="n\n")
+    assert declined.exit_code == 1 and "purge 5 message(s) of" in declined.output and q.count_matching() == 7
+    done = cli(backend, "purge", queue_name, "--state", "all", "--key-prefix", "r/", "--batch-size", "2", "--yes")
+    assert done.exit_code == 0 and f"{queue_name}: 5 message(s) purged" in done.stdout, done.output
+    assert keys_of(backend.engine, queue_name) == ["r/run", "s/1"] and held.extend(MINUTE)
+    assert cli(backend, "purge", queue_name, "--state", "scheduled", "--tag", "eu", "--yes").exit_code == 0
+    assert q.count_matching(state="scheduled") == 0
+    for bad in (["--state", "in-flight"], ["--state", "nope"], [], ["--state", "ready", "--tag", "EU"]):
+        out = cli(backend, "purge", queue_name, *bad, "--yes")
+        assert out.exit_code == 2 and q.count_matching() == 1, out.output
+    nothing = cli(backend, "purge", queue_name, "--state", "ready", "--yes")
+    assert nothing.exit_code == 2 and "no message of queue" in nothing.output
+
+
+def test_cancel_reschedule_and_dead_take_a_tag_and_a_state(backend: Backend, queue_name: str) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer_many([(f"a/{i}", i, None) for i in range(4)], tags=["eu"])
+    q.offer_many([(f"b/{i}", i, None) for i in range(3)])
+    out = cli(backend, "reschedule", queue_name, "--tag", "eu", "--in", "1h", "--yes")
+    assert out.exit_code == 0 and "4 message(s) rescheduled" in out.stdout, out.output
+    assert q.count_matching(state="scheduled") == 4
+    out = cli(backend, "cancel", queue_name, "--state", "scheduled", "--key-prefix", "a/", "--yes")
+    assert out.exit_code == 0 and "4 message(s) cancelled" in out.stdout, out.output
+    assert keys_of(backend.engine, queue_name) == ["b/0", "b/1", "b/2"]
+    for d in q.try_poll_many(3):
+        assert d.dead_letter("boom")
+    q.offer("b/0", "live again")
+    out = cli(backend, "dead", "requeue", queue_name, "--key-prefix", "b/", "--yes")
+    assert out.exit_code == 0 and "2 dead letter(s) requeued" in out.stdout, out.output  # b/0 is live: stays dead
+    out = cli(backend, "dead", "purge", queue_name, "--all", "--yes")
+    assert out.exit_code == 0 and "1 dead letter(s) purged" in out.stdout, out.output
+    for bad in (
+        ["cancel", queue_name, "b/1", "--tag", "eu"],
+        ["cancel", queue_name, "--state", "dead"],
+        ["reschedule", queue_name, "--in", "1h"],
+        ["reschedule", queue_name, "--state", "in-flight", "--in", "1h"],
+        ["dead", "purge", queue_name, "--all", "--tag", "eu"],
+    ):
+        out = cli(backend, *bad, "--yes")
+        assert out.exit_code == 2 and "Error" in out.output.strip().splitlines()[-1], (bad, out.output)
+    assert q.count_matching() == 3

@@ -8,10 +8,10 @@ import functools
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from delayq import browse
-from delayq.browse import State, StoredMessage, WorkerInfo
+from delayq.browse import QueueHistory, State, StoredMessage, WorkerInfo
 from delayq.schema import Tables
 
-__all__ = ["list_messages", "list_workers", "queue_names"]
+__all__ = ["list_messages", "list_workers", "queue_history", "queue_names"]
 
 
 async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
@@ -54,3 +54,15 @@ async def list_messages(
 async def list_workers(conn: AsyncConnection, tables: Tables) -> list[WorkerInfo]:
     """The workers in the worker registry, oldest first; see ``delayq.browse.list_workers``."""
     return await conn.run_sync(browse.list_workers, tables)
+
+
+async def queue_history(
+    conn: AsyncConnection,
+    tables: Tables,
+    queue: str | None = None,
+    *,
+    span: dt.timedelta = browse.HISTORY_SPAN,
+    now: dt.datetime | None = None,
+) -> QueueHistory:
+    """Outcomes per minute of a queue (or every queue); see ``delayq.browse.queue_history``."""
+    return await conn.run_sync(functools.partial(browse.queue_history, tables=tables, queue=queue, span=span, now=now))

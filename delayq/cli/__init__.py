@@ -6,7 +6,8 @@ line saying what to do and exits with code 2, without a traceback.
 One module per command group, each registering its commands on ``main`` (``_root``: the group and what
 its commands share): ``_setup`` (migrate, demo), ``_worker``, ``_messages`` (enqueue, ls, show,
 reschedule, run-now, cancel), ``_dead_letters`` (dead requeue/purge), ``_stats`` (stats, top), ``_cron``,
-``_flow`` (pause, resume, limit), ``_web`` (the dashboard), ``_workers`` (the worker registry), ``_audit`` (who did what);
+``_flow`` (pause, resume, limit), ``_web`` (the dashboard), ``_workers`` (the worker registry), ``_audit``
+(who did what), ``_bulk`` (purge, and the filter forms of cancel, reschedule and dead);
 ``_app`` imports them all and adds ``delayq.topics.cli``'s group. ``_common`` is what they share with
 ``delayq.topics.cli``, which imports it without the commands: ``main`` (the console script) and the
 other names of ``delayq.cli`` are imported on first use.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from delayq.cli import (  # noqa: F401  (they register on main)
     _audit,
+    _bulk,
     _cron,
     _dead_letters,
     _flow,

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from delayq import engines
 from delayq.browse import State, list_messages
+from delayq.cli import _bulk as bulk
 from delayq.cli._common import Fail, audited, connect, friendly
 from delayq.cli._root import _noted, admin_queue, main, unknown_queue_note
 from delayq.schema import make_tables
@@ -45,12 +46,23 @@ def _dead_command(verb: str) -> Callable[..., None]:
     @click.option("--key", help="One key.")
     @click.option("--key-prefix", help="Keys that start with this.")
     @click.option("--all", "everything", is_flag=True, help="All of the queue's dead letters.")
+    @click.option("--tag", help="Those that carry this tag (with --key-prefix: both).")
     @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
     @click.pass_context
     @friendly
     def command(
-        ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, everything: bool, yes: bool
+        ctx: click.Context,
+        queue: str,
+        key: str | None,
+        key_prefix: str | None,
+        everything: bool,
+        tag: str | None,
+        yes: bool,
     ) -> None:
+        if key is None and everything != (key_prefix is not None or tag is not None):  # in batches
+            return bulk.dead_matching(ctx, queue, verb, key_prefix, tag, yes)
+        if tag is not None:
+            raise Fail("give exactly one of --key K, --key-prefix P / --tag T or --all")
         with connect(ctx) as (engine, conn):
             keys = _dead_keys(ctx, conn, queue, key, key_prefix, everything)
             if not keys:
@@ -76,7 +88,10 @@ def _dead_command(verb: str) -> Callable[..., None]:
         click.echo(f"{queue}: {done} dead letter(s) {'requeued' if verb == 'requeue' else 'purged'}")
         audited(ctx, verb if key else f"{verb}-all", queue, done, key=key, prefix=key_prefix, all=everything or None)
 
-    command.__doc__ = f"{verb.capitalize()} dead letters (asks first unless --yes)."
+    command.__doc__ = (
+        f"{verb.capitalize()} dead letters (asks first unless --yes): one key's, or in batches those under a key "
+        "prefix, with a tag, or all."
+    )
     return command
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
+from delayq.cli import _bulk as bulk
 from delayq.cli._common import (
     STATE_COLOURS,
     Fail,
@@ -29,6 +30,10 @@ from delayq.messages import CancelOutcome
 from delayq.queue import DelayedQueue, check_prefix, check_queue_name
 from delayq.schema import make_tables
 
+CANCELLED = ("ready", "scheduled", "in-flight", "expired-lock", "all")
+"""What ``cancel --state`` takes: a live message's states (all: every one not running)."""
+RESCHEDULED = ("ready", "scheduled", "expired-lock", "all")
+"""What ``reschedule --state`` takes: the states of a message not running."""
 PAYLOAD_SHOWN = 200
 """Characters of a payload (as JSON) that listings show; ``show`` and ``ls --full`` show it whole."""
 
@@ -155,16 +160,36 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("queue")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--at", "at_text", help="When, ISO 8601 with an offset.")
 @click.option("--in", "in_text", help="How long from now, e.g. 90s, 5m, 1h30m.")
+@click.option("--key-prefix", help="Every message not running whose key starts with this (asks first unless --yes).")
+@click.option("--tag", help="Every message not running that carries this tag (asks first unless --yes).")
+@click.option("--state", type=click.Choice(RESCHEDULED), help="Every message in this state (all: not running).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 @friendly
-def reschedule(ctx: click.Context, queue: str, key: str, at_text: str | None, in_text: str | None) -> None:
-    """Change when a message runs."""
+def reschedule(
+    ctx: click.Context,
+    queue: str,
+    key: str | None,
+    at_text: str | None,
+    in_text: str | None,
+    key_prefix: str | None,
+    tag: str | None,
+    state: str | None,
+    yes: bool,
+) -> None:
+    """Change when a message runs, or (with --key-prefix, --tag, --state) when every matching one that is not
+    running does, in batches."""
     if (at_text is None) == (in_text is None):
         raise Fail("give exactly one of --at TIME or --in DURATION")
     at: dt.datetime | dt.timedelta = parse_time(at_text) if at_text else parse_duration(in_text or "")
+    if (key is None) == (key_prefix is None and tag is None and state is None):
+        raise Fail("give a KEY, or a filter: --key-prefix P, --tag T, --state S (not both)")
+    if key is None:
+        due = at_text or f"in {in_text}"
+        return bulk.reschedule_matching(ctx, queue, at, due, state, key_prefix, tag, yes)
     _act(ctx, queue, key, lambda q: q.reschedule(key, at), "rescheduled")
     audited(ctx, "reschedule", queue, 1, key=key, due=at_text or f"in {in_text}")
 
@@ -219,19 +244,34 @@ def _common_prefix(keys: list[str]) -> str:
 @click.argument("queue")
 @click.argument("key", required=False)
 @click.option("--key-prefix", help="Every message whose key starts with this (asks first unless --yes).")
+@click.option("--tag", help="Every message that carries this tag, cancelled in batches (asks first unless --yes).")
+@click.option("--state", type=click.Choice(CANCELLED), help="Every message in this state, cancelled in batches.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 @friendly
-def cancel(ctx: click.Context, queue: str, key: str | None, key_prefix: str | None, yes: bool) -> None:
-    """Cancel a message, or delete every message under --key-prefix.
+def cancel(
+    ctx: click.Context,
+    queue: str,
+    key: str | None,
+    key_prefix: str | None,
+    tag: str | None,
+    state: str | None,
+    yes: bool,
+) -> None:
+    """Cancel a message, or delete every message under --key-prefix, or cancel every one a filter matches.
+
+    With --tag or --state (and --key-prefix), the matching messages are cancelled in batches as one is: a
+    running one recorded as cancelled and its worker told.
 
     A message whose handler runs is recorded as cancelled and its worker told (it stops, and what it does after
     changes nothing); the line says which it was. With --key-prefix, the messages listed and confirmed are deleted
     in chunks of at most 1,000 (a DELETE of a longer prefix each, with a progress bar on stderr); one offered under
     such a prefix meanwhile goes too. Running ones go too, unrecorded: their workers learn it at their next heartbeat.
     """
-    if (key is None) == (key_prefix is None):
-        raise Fail("give a KEY or --key-prefix PREFIX (one of them)")
+    if key is None and (tag is not None or state is not None):
+        return bulk.cancel_matching(ctx, queue, state, key_prefix, tag, yes)
+    if (key is None) == (key_prefix is None) or tag is not None or state is not None:
+        raise Fail("give a KEY, or --key-prefix PREFIX, --tag T, --state S (not both)")
     if key is not None:
         with connect(ctx) as (engine, conn):
             conn.rollback()  # hold nothing while the cancel runs on its own connection

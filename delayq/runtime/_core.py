@@ -216,9 +216,13 @@ class Core:
             topics=topic_labels([(c.sub.topic, c.sub.group) for c in self.topics.consumers]),
             slots=concurrency,
             clock=clock,
+            jobs=self.jobs,
+            consumers=self.topics.consumers,
         )
         """This worker's row in the worker registry (``delayq workers``): ``register`` at the start, a beat with
-        the heartbeat's, ``deregister`` at a clean stop. Never raises."""
+        the heartbeat's (what the handlers run, the outcomes counted), ``deregister`` at a clean stop. Never raises."""
+        for q in self.queues:
+            q._tally = self.registry.tally.count  # the queue history: each outcome counted as it is recorded
 
     def wakes(self, payload: str) -> bool:
         """Whether a notification's payload names one of this worker's queues or topics."""
