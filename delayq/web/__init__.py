@@ -9,7 +9,7 @@ Modules: ``_reads`` (what pages show, through the public reads), ``_pages`` (GET
 panels), ``_actions`` (POST actions), ``_csrf`` (the double-submit token), ``_render`` (templates and the
 shared state), ``_snapshot`` (every queue's counts, read once for all viewers), ``_samples`` (the charts'
 in-memory history), ``_auth`` (roles: ``authorize``'s answer; HTTP basic auth for ``delayq web``), ``_audit``
-(the audit page).
+(the audit page), ``_history`` (the queue history's chart and JSON, from the database).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from delayq.errors import InvalidInputError
 from delayq.schema import DEFAULT_PREFIX
-from delayq.web import _actions, _audit, _pages
+from delayq.web import _actions, _audit, _history, _pages
 from delayq.web._auth import Access, Authorize, BasicAuth, access_of, remember
 from delayq.web._reads import Where
 from delayq.web._render import HERE, Dashboard
@@ -75,6 +75,8 @@ def app(
         route("/topics", _pages.topics),
         route("/topic", _pages.topic),
         route("/workers", _pages.workers),
+        route("/history", _history.history_fragment),
+        route("/history.json", _history.history_json),
         route("/api/overview", _pages.overview_json),
         route("/api/queue", _pages.queue_json),
         route("/api/topics", _pages.topics_json),
