@@ -446,3 +446,8 @@ def queue_history(
 def database_now(conn: sa.Connection) -> dt.datetime:
     """The database's clock, which decides what is due (as ``stats()`` reads it)."""
     return from_ms(_views.database_now_ms(conn))
+
+
+def has_flow_settings(conn: sa.Connection, tables: Tables, queue: str) -> bool:
+    """Whether ``queue``'s flow was ever set: paused or resumed, limited, or offered a priority or a group."""
+    return _views.has_flow_row(conn, tables, queue)

@@ -14,6 +14,10 @@ on the database's asyncio driver (``async_url``), with the same timeouts where t
 psycopg's are libpq's (as above); asyncpg's ``timeout`` (connect) 10 s; asyncmy has a ``connect_timeout``
 only (no read or write timeout); aiosqlite nothing.
 
+A URL whose scheme names no driver gets the one delayq runs on (``driver_url``): ``postgres://`` and
+``postgresql://`` (a Heroku-style ``DATABASE_URL``) are ``postgresql+psycopg://``, ``mysql://`` is
+``mysql+mysqldb://``.
+
 Engines an application builds with ``sqlalchemy.create_engine`` are left as they are.
 """
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import sqlalchemy as sa
 
@@ -30,10 +34,38 @@ from delayq.dialects import bounds, dialect_class
 if TYPE_CHECKING:
     import sqlalchemy.ext.asyncio
 
-__all__ = ["READ_BOUND_SECONDS", "async_url", "create_async_engine", "create_engine", "read_bound", "sync_url"]
+__all__ = [
+    "READ_BOUND_SECONDS",
+    "async_url",
+    "create_async_engine",
+    "create_engine",
+    "driver_url",
+    "read_bound",
+    "sync_url",
+]
 
 READ_BOUND_SECONDS = 60.0
 """How long a command waits for one database call before it drops the connection and fails."""
+
+
+_DRIVERS = {"postgres": "postgresql+psycopg", "postgresql": "postgresql+psycopg", "mysql": "mysql+mysqldb"}
+"""The schemes that name no driver, and the spelling with the driver delayq runs on for each."""
+
+
+@overload
+def driver_url(url: str) -> str: ...
+@overload
+def driver_url(url: sa.URL) -> sa.URL: ...
+def driver_url(url: str | sa.URL) -> str | sa.URL:
+    """``url`` naming the driver delayq runs on where its scheme names none (``postgres://`` and
+    ``postgresql://`` as ``postgresql+psycopg://``, ``mysql://`` as ``mysql+mysqldb://``); any other as it is.
+    A string stays a string, changed in its scheme only (one that does not parse is left for the caller)."""
+    if isinstance(url, sa.URL):
+        driver = _DRIVERS.get(url.drivername.lower())
+        return url if driver is None else url.set(drivername=driver)
+    scheme, sep, rest = url.partition("://")
+    driver = _DRIVERS.get(scheme.lower()) if sep else None
+    return url if driver is None else f"{driver}://{rest}"
 
 
 def create_engine(
@@ -41,7 +73,7 @@ def create_engine(
 ) -> sa.Engine:
     """An engine with delayq's network timeouts: a pool of ``pool_size`` connections (plus ``max_overflow``),
     or none (``NullPool``, a connection per use) when ``pool_size`` is None. ``kwargs`` go to SQLAlchemy."""
-    parsed = sa.engine.make_url(url)
+    parsed = driver_url(sa.engine.make_url(url))
     dialect = dialect_class(parsed.get_backend_name(), parsed.get_driver_name())
     defaults = dialect.network_timeouts
     connect_args = {k: v for k, v in defaults.items() if k not in parsed.query}
@@ -63,7 +95,7 @@ def async_url(url: str | sa.URL) -> sa.URL:
     """``url`` with its backend's asyncio driver: ``postgresql+psycopg`` (psycopg's async
     connection), ``sqlite+aiosqlite``, ``mysql+asyncmy``; a URL that names an asyncio driver already
     (asyncpg, aiomysql, ...) as it is."""
-    parsed = sa.engine.make_url(url)
+    parsed = driver_url(sa.engine.make_url(url))
     driver = parsed.get_driver_name()
     if driver in _ASYNC_NAMES:
         return parsed
@@ -84,8 +116,8 @@ _SYNC_DRIVERS = {
 
 def sync_url(url: str | sa.URL) -> sa.URL:
     """``url`` with the synchronous driver delayq runs on for its database (psycopg, sqlite3, mysqlclient) in
-    place of an asyncio one; a sync URL as it is."""
-    parsed = sa.engine.make_url(url)
+    place of an asyncio one; a sync URL as it is (one that names no driver with delayq's, ``driver_url``)."""
+    parsed = driver_url(sa.engine.make_url(url))
     driver = _SYNC_DRIVERS.get(parsed.get_driver_name())
     return parsed if driver is None else parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
 

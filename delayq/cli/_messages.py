@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
+import sqlalchemy as sa
 
 from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
 from delayq.cli import _bulk as bulk
@@ -90,6 +91,8 @@ def ls(
     kept = state in (State.COMPLETED.value, State.CANCELLED.value)
     rows = [_row(m, now, full) for m in found]
     when = ["failed"] if dead_only else ["finished", "took"] if kept else ["due", "running"]
+    if state == State.IN_FLIGHT.value:  # a held message's time is when its lock expires, not when it is due
+        when = ["lock_expires", "running"]
     extra = ["result"] if kept else []
     tagged = ["tags"] if any(m.tags for m in found) else []
     emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload", *extra])
@@ -100,6 +103,7 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
         "key": m.key,
         "state": m.state.value,
         "due": relative(m.scheduled_at, now),
+        "lock_expires": relative(m.scheduled_at, now),
         "failed": relative(m.failed_at, now),
         "finished": relative(m.finished_at, now),
         "took": "" if m.duration is None else human(m.duration),
@@ -277,7 +281,7 @@ def cancel(
             conn.rollback()  # hold nothing while the cancel runs on its own connection
             outcome = admin_queue(engine, ctx, queue).cancel_job(key)
             if not outcome:
-                raise Fail(f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}")
+                raise Fail(_nothing_to_cancel(ctx, conn, queue, key))
         if outcome is CancelOutcome.RUNNING:
             click.echo(f"{queue}: cancelled running message {key}: its worker is told")
         else:
@@ -303,6 +307,17 @@ def cancel(
                 bar.update(n)
     click.echo(f"{queue}: {done} message(s) cancelled")
     audited(ctx, "cancel", queue, done, prefix=key_prefix)
+
+
+def _nothing_to_cancel(ctx: click.Context, conn: sa.Connection, queue: str, key: str) -> str:
+    """Why ``cancel QUEUE KEY`` cancelled nothing: the message is kept as cancelled or completed, or is a dead
+    letter (it finished already), or there is none."""
+    tables, now = make_tables(ctx.obj["prefix"]), database_now(conn)
+    for kept in (State.CANCELLED, State.COMPLETED, State.DEAD):
+        if list_messages(conn, tables, queue, state=kept, now=now, key=key, limit=1):
+            hint = " (a dead letter: `delayq dead purge` deletes it)" if kept is State.DEAD else ""
+            return f"message {key!r} of queue {queue!r} is already {kept.value}{hint}: nothing to cancel"
+    return f"no message {key!r} in queue {queue!r}{_noted(unknown_queue_note(ctx, conn, queue))}"
 
 
 @main.command()

@@ -9,6 +9,7 @@ import re
 import click
 import sqlalchemy as sa
 
+from delayq import engines
 from delayq.browse import queue_names
 from delayq.cli._common import Fail
 from delayq.queue import DelayedQueue
@@ -56,7 +57,7 @@ def main(ctx: click.Context, url: str, prefix: str) -> None:
     """delayq: delayed messages and background jobs in your relational database."""
     if _unencoded_at(url):
         raise click.UsageError("the URL's password contains '@': percent-encode it as %40")
-    ctx.obj = {"url": url, "prefix": prefix}
+    ctx.obj = {"url": engines.driver_url(url), "prefix": prefix}  # postgres://, as Heroku's DATABASE_URL has it
 
 
 def unknown_queue_note(ctx: click.Context, conn: sa.Connection, name: str) -> str:
@@ -68,8 +69,12 @@ def unknown_queue_note(ctx: click.Context, conn: sa.Connection, name: str) -> st
     names = queue_names(conn, make_tables(ctx.obj["prefix"]))
     if name in names:
         return ""
-    known = ", ".join(names[:KNOWN_SHOWN]) + (", ..." if len(names) > KNOWN_SHOWN else "") if names else "none"
-    return f"queue {name!r} has no messages, dead letters or cron schedule; queues that have: {known}"
+    return f"queue {name!r} has no messages, dead letters or cron schedule; queues that have: {known_list(names)}"
+
+
+def known_list(names: list[str]) -> str:
+    """The first ``KNOWN_SHOWN`` of ``names`` for a note, ``none`` when there are none."""
+    return ", ".join(names[:KNOWN_SHOWN]) + (", ..." if len(names) > KNOWN_SHOWN else "") if names else "none"
 
 
 def _noted(note: str) -> str:

@@ -533,6 +533,11 @@ class Dialect:
         """An INSERT that, for a row whose ``keys`` exist, updates ``set_`` instead (or does nothing when None)."""
         raise NotImplementedError
 
+    def adding_upsert(self, table: sa.Table, keys: Sequence[str], counts: Sequence[str]) -> sa.Insert:
+        """An INSERT whose rows, where a row with the same ``keys`` exists, add their ``counts`` columns to it
+        instead (the queue history: many workers add to one minute's row)."""
+        raise NotImplementedError
+
     @classmethod
     def unnest(cls, name: str, *columns: tuple[str, sa.types.TypeEngine[Any]]) -> Any:
         """Rows from one array parameter per column, as table ``name``; only where ``arrays``."""

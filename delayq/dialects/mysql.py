@@ -245,6 +245,13 @@ class MySQLDialect(Dialect):
         insert = mysql_insert(table)
         return insert.on_duplicate_key_update(dict(set_) if set_ is not None else {keys[0]: table.c[keys[0]]})
 
+    def adding_upsert(self, table: sa.Table, keys: Sequence[str], counts: Sequence[str]) -> sa.Insert:
+        # ON DUPLICATE KEY UPDATE c = c + VALUES(c): the duplicate key is (only) the primary key ``keys``.
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        insert = mysql_insert(table)
+        return insert.on_duplicate_key_update({c: table.c[c] + insert.inserted[c] for c in counts})
+
 
 def _due_ids(stmts: Statements, limit: int, level: Level = "") -> sa.Select[Any]:
     """The ids of the first due messages of ``:queue_name`` (of priority ``:at_priority`` with ``level``), read

@@ -360,6 +360,11 @@ class PostgresDialect(Dialect):
             return insert.on_conflict_do_nothing(index_elements=list(keys))
         return insert.on_conflict_do_update(index_elements=list(keys), set_=dict(set_))
 
+    def adding_upsert(self, table: sa.Table, keys: Sequence[str], counts: Sequence[str]) -> sa.Insert:
+        insert = pg_insert(table)
+        added = {c: table.c[c] + insert.excluded[c] for c in counts}
+        return insert.on_conflict_do_update(index_elements=list(keys), set_=added)
+
     def any_of(self, column: sa.ColumnElement[Any], name: str) -> sa.ColumnElement[bool]:
         # One array parameter (as ``id_in``): one statement text whatever the list's length, prepared
         # once, instead of a parameter per value (1,000 held partitions cost a poll ~25 ms to bind).

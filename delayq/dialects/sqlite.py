@@ -247,3 +247,8 @@ class SQLiteDialect(Dialect):
         if set_ is None:
             return insert.on_conflict_do_nothing(index_elements=list(keys))
         return insert.on_conflict_do_update(index_elements=list(keys), set_=dict(set_))
+
+    def adding_upsert(self, table: sa.Table, keys: Sequence[str], counts: Sequence[str]) -> sa.Insert:
+        insert = sqlite_insert(table)
+        added = {c: table.c[c] + insert.excluded[c] for c in counts}
+        return insert.on_conflict_do_update(index_elements=list(keys), set_=added)

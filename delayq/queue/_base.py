@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine
 
+from delayq import observe
 from delayq.clock import Clock, duration_ms, to_ms
 from delayq.dialects import Dialect, Statements
 from delayq.errors import InvalidInputError, SerializationMismatchError
@@ -66,9 +67,17 @@ class _QueueBase:
         self._runner = Runner(engine, self.tables, transient_retry)
         self._claiming: str | None = None
         """The token of the claim under way, or of the last one whose reply never came (``_give_back``)."""
+        self._tally: Callable[[observe.Event, str, int], None] | None = None
+        """On a worker's queue, its outcome counter (``delayq.runtime._registry.Tally.count``): the queue history."""
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"
+
+    def _count(self, event: observe.Event, n: int = 1) -> None:
+        """Tell the observers, and a worker's tally, that ``n`` of this queue's messages had ``event``."""
+        observe.count(event, self.name, n)
+        if self._tally is not None and n:
+            self._tally(event, self.name, n)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:

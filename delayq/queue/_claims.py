@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from delayq import history, observe
+from delayq import history
 from delayq._outcome import Bury, Unfinished, after_failure
 from delayq.clock import duration_ms, from_ms, to_ms
 from delayq.dialects import ClaimedRow, Dialect, Statements
@@ -196,7 +196,7 @@ class _Claims(_Flow):
         if acked > len(pairs):  # cannot happen while ids are unique; never silently
             log.error("%s: an ack of %d deliveries deleted %d rows", self.name, len(pairs), acked)
             raise DelayqError(f"ack of {len(pairs)} deliveries deleted {acked} rows in queue {self.name!r}")
-        observe.count("acked", self.name, acked)
+        self._count("acked", acked)
         if acked < len(pairs):
             _lost_locks.count_unacked(self.name, [p for p in pairs if p[0] not in held], acked)
         return acked
@@ -356,7 +356,7 @@ class _Claims(_Flow):
 
         held = self._runner.run(using, op, "transaction")
         if held:
-            observe.count("retried", self.name)
+            self._count("retried")
         else:
             _lost_locks.count(self.name, [(d.id, d.lock_token)])
         return held
@@ -426,7 +426,7 @@ class _Claims(_Flow):
             return moved
 
         moved = self._runner.run(using, op, "transaction")
-        observe.count("dead_lettered", self.name, moved)
+        self._count("dead_lettered", moved)
         return moved
 
     def _deliveries(self, rows: list[ClaimedRow], using: Using) -> list[Delivery]:

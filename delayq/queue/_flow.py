@@ -27,11 +27,12 @@ from delayq.schema import MAX_KEY_LENGTH
 from delayq.transactions import Using
 
 
-def _check_limit(limit: object, what: str) -> int | None:
+def _check_limit(limit: object, what: str, none: str = "no limit") -> int | None:
+    """``limit`` when None (what ``none`` says it means) or a positive integer; else ``InvalidInputError``."""
     if limit is None:
         return None
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidInputError(f"a {what} must be a positive integer or None, got {limit!r}")
+        raise InvalidInputError(f"a {what} must be a positive integer or None ({none}), got {limit!r}")
     if limit > 2**31 - 1:
         raise InvalidInputError(f"a {what} must be at most {2**31 - 1}, got {limit}")
     return limit
@@ -229,13 +230,13 @@ class _Flow(_QueueBase):
         """
         self._set_flow({"concurrency": _check_limit(limit, "concurrency limit")}, using, wake=True)
 
-    def set_group_concurrency(self, limit: int, *, using: Using = None) -> None:
+    def set_group_concurrency(self, limit: int | None, *, using: Using = None) -> None:
         """How many messages of one group (``offer(..., group=)``) may be held at once across every claimer;
-        1 by default, when a group's messages run one at a time in due order."""
-        n = _check_limit(limit, "group concurrency")
-        if n is None:
-            raise InvalidInputError("a group concurrency must be a positive integer")
-        self._set_flow({"group_concurrency": n}, using, wake=True)
+        1 by default, when a group's messages run one at a time in due order. None sets that default again
+        (a group is never unlimited: a message without a group is not limited)."""
+        self._set_flow(
+            {"group_concurrency": _check_limit(limit, "group concurrency", "the default, 1")}, using, wake=True
+        )
 
     def set_rate_limit(
         self, limit: int | None, per: dt.timedelta = dt.timedelta(seconds=1), *, using: Using = None

@@ -397,3 +397,13 @@ def scan_rows(
     t = _scanned(tables, dead, finished)
     columns = [t] if names is None else [t.c[n] for n in names]
     return sa.select(*columns).where(*_scan_where(t, queue, where, low, high)).order_by(t.c.id)
+
+
+def _flow_row(stmts: Statements) -> sa.Select[Any]:
+    flow = stmts.tables.flow
+    return sa.select(flow.c.queue).where(flow.c.queue == sa.bindparam("queue_name", type_=sa.String))
+
+
+def has_flow_row(conn: Connection, tables: Tables, queue: str) -> bool:
+    """Whether ``queue`` has a row in ``{prefix}queue_flow`` (its flow was ever set)."""
+    return conn.execute(_stmts(conn, tables).memo(_flow_row), {"queue_name": queue}).first() is not None

@@ -20,7 +20,7 @@ from functools import partial
 import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -83,12 +83,17 @@ def app(
         route("/api/workers", _pages.workers_json),
         route("/audit", _audit.page),
         route("/act/{action}", _actions.act, ("POST",)),
+        Route("/favicon.ico", _favicon),  # (browsers ask for it at the root of what they browse)
         Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
     ]
     inner = Starlette(routes=routes)
     if authorize is None:
         return inner
     return _Authorized(inner, dash)
+
+
+async def _favicon(request: Request) -> Response:
+    return FileResponse(HERE / "static" / "favicon.ico", media_type="image/x-icon")
 
 
 async def _guarded(dash: Dashboard, handler: Handler, request: Request) -> Response:

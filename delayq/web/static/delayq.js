@@ -111,6 +111,25 @@
 
   document.querySelectorAll("[data-poll]").forEach(poll);
 
+  function history(panel) {
+    // The queue history's chart is drawn by the server (_history.html): load it, and again every 30 s.
+    const load = () => {
+      if (!document.hidden) {
+        fetch(panel.dataset.history, { credentials: "same-origin", headers: { accept: "text/html" } })
+          .then((r) => (r.ok ? r.text() : null))
+          .then((html) => {
+            const got = html && new DOMParser().parseFromString(html, "text/html").querySelector("[data-history]");
+            if (got) { panel.replaceChildren(...got.childNodes); panel.dataset.loaded = String(Date.now()); }
+          })
+          .catch(() => {});
+      }
+      setTimeout(load, 30000);
+    };
+    load();
+  }
+
+  document.querySelectorAll("[data-history]").forEach(history);
+
   document.querySelectorAll("form[data-confirm]").forEach((form) => {
     form.addEventListener("submit", (event) => {
       if (!window.confirm(form.dataset.confirm)) event.preventDefault();
