@@ -138,3 +138,67 @@ def test_the_overview_lists_a_paused_or_limited_queue_with_nothing_in_it_and_sho
     assert row is not None and "concurrency 3, rate 10/1m 00s" in row.group(0)
     row = re.search(rf'<tr data-queue="{qs["paused"].name}">.*?</tr>', page, re.S)
     assert row is not None and re.search(r'data-flag="paused"\s*>paused<', row.group(0))
+
+
+# -- the message page of a kept job --------------------------------------------------------------------------
+def render_thumbnail(key: str) -> None:
+    raise OSError(f"renderer crashed on {key}")
+
+
+def field(page: str, name: str) -> str:
+    """The text of the message page's fact ``data-field=name``."""
+    found = re.search(rf'data-field="{name}">(.*?)</dd>', page, re.S)
+    assert found is not None, f"no {name} on the page"
+    return re.sub(r"<[^>]+>", "", found.group(1)).strip()
+
+
+def test_the_message_page_shows_a_completed_job_its_result_duration_attempts_tags_and_what_is_not_recorded(
+    backend: Backend, queue_name: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name, retention=HOUR)
+    q.offer("job", {"n": 1}, priority=5, group="customer-7", tags=["billing"])
+    c = TestClient(app(backend.engine))
+    live = c.get("/message", params={"queue": queue_name, "key": "job"}).text
+    assert (field(live, "priority"), field(live, "group"), field(live, "tags")) == ("5", "customer-7", "billing")
+    first = q.try_poll()
+    assert first is not None
+    try:
+        render_thumbnail("job")
+    except OSError as exc:
+        assert first.retry(error=str(exc))
+    second = q.try_poll()
+    assert second is not None and second.ack(result={"sum": 3}, duration=dt.timedelta(milliseconds=1500))
+
+    page = c.get("/message", params={"queue": queue_name, "key": "job"})
+    assert page.status_code == 200, page.text
+    text = page.text
+    assert 'class="state completed"' in text
+    assert "&#34;sum&#34;: 3" in text  # the result, pretty-printed and escaped
+    assert field(text, "duration") == "1.5s" and field(text, "finished_at").startswith("20")
+    assert "renderer crashed on job" in text and "render_thumbnail" in text  # attempt 1's traceback
+    assert field(text, "tags") == "billing"
+    assert field(text, "flow") == "not recorded once finished"  # (the finished row keeps no priority nor group)
+    assert field(text, "worker") == "not recorded once finished"
+
+
+def test_the_message_page_shows_a_cancelled_job_and_the_latest_of_a_dead_letter_and_a_kept_record(
+    backend: Backend, queue_name: str
+) -> None:
+    q = DelayedQueue(backend.engine, queue_name)
+    q.offer("stop", {"n": 1}, tags=["eu"])
+    held = q.try_poll()
+    assert held is not None and q.cancel_job("stop")  # a running job's cancel is kept
+    c = TestClient(app(backend.engine, actions=True))
+    c.get("/cron")  # (sets the CSRF cookie)
+    cancelled = c.get("/message", params={"queue": queue_name, "key": "stop"})
+    assert cancelled.status_code == 200 and 'class="state cancelled"' in cancelled.text
+    assert field(cancelled.text, "tags") == "eu" and 'data-action="requeue"' not in cancelled.text
+
+    q.offer("stop", {"n": 2})  # offered again under the key, then dead-lettered: the newer record is shown
+    again = q.try_poll()
+    assert again is not None and again.dead_letter("gave up")
+    dead = c.get("/message", params={"queue": queue_name, "key": "stop"}).text
+    assert 'class="state dead"' in dead and "gave up" in dead and "&#34;n&#34;: 2" in dead
+    assert "and 1 more kept record" in dead and 'data-action="requeue"' in dead
+    missing = c.get("/message", params={"queue": queue_name, "key": "never"})
+    assert missing.status_code == 404 and "never offered" in missing.text

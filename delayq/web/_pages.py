@@ -113,9 +113,11 @@ def _row(m: Any) -> dict[str, Any]:
 async def message(dash: Dashboard, request: Request) -> Response:
     name, key = _queue(request), request.query_params.get("key", "")
     view = await run_in_threadpool(_reads.message, dash.where, name, key)
-    if view.live is None and not view.dead:
-        return dash.error(request, 404, f"no message {key!r} in queue {name!r} (done, cancelled, or never offered)")
-    shown = view.live or view.dead[0]
+    shown = view.shown
+    if shown is None:
+        return dash.error(
+            request, 404, f"no message {key!r} in queue {name!r} (never offered, or finished and not kept)"
+        )
     return dash.render(
         request,
         "message.html",

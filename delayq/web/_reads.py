@@ -7,6 +7,7 @@ are shown when present (``getattr``), so the pages need no change when they arri
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Mapping
@@ -236,44 +237,119 @@ def pretty(value: object) -> str:
 
 @dataclass(frozen=True)
 class MessageView:
-    """One key of a queue: its live message (with its timings) and its dead letters."""
+    """One key of a queue: its live message, what was kept of it once finished (completed, cancelled) and its
+    dead letters; ``shown`` is the one ``get(key, include_dead=True)`` answers, and ``message`` that answer (its
+    timings, priority and group) where its payload is of a built-in serializer's."""
 
     now: dt.datetime
     live: StoredMessage | None
     message: Message | None
     dead: list[StoredMessage] = field(default_factory=list)
+    kept: list[StoredMessage] = field(default_factory=list)
+    """Its kept completed and cancelled records, the latest first."""
+    worker: WorkerInfo | None = None
+    """The worker whose last heartbeat says it runs the shown message (an in-flight one), where one does."""
+
+    @property
+    def shown(self) -> StoredMessage | None:
+        """The live message; else the latest kept record or dead letter (the dead letter when as new)."""
+        if self.live is not None:
+            return self.live
+        return max(self.kept[:1] + self.dead[:1], key=lambda m: (_finished_at(m), m.state is State.DEAD), default=None)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the shown record is a kept one (completed, cancelled, dead): it records no priority, group or
+        worker."""
+        return self.live is None and self.shown is not None
+
+    @property
+    def priority(self) -> int | None:
+        """The live message's priority (as ``get`` reads it, else as listed); None once finished."""
+        source = self.message if self.message is not None else self.live
+        return None if self.finished else getattr(source, "priority", None)
+
+    @property
+    def group(self) -> str | None:
+        """The live message's group; None when it has none, or once finished."""
+        source = self.message if self.message is not None else self.live
+        return None if self.finished else getattr(source, "group", None)
+
+    @property
+    def others(self) -> int:
+        """How many more records the key has (kept ones and dead letters) beside the shown one."""
+        return len(self.kept) + len(self.dead) - (0 if self.live is not None or self.shown is None else 1)
 
     @property
     def result(self) -> object:
-        """The message's result, where the queue keeps one (a newer ``Message`` field); else None."""
-        return getattr(self.message, "result", None)
+        """The shown message's result, where the queue kept one: as ``get`` decodes it, else as stored."""
+        found = getattr(self.message, "result", None)
+        shown = self.shown
+        return found if found is not None or shown is None else shown.result
+
+
+def _finished_at(m: StoredMessage) -> dt.datetime:
+    """When a kept record finished (a dead letter: when it failed)."""
+    at = m.failed_at if m.state is State.DEAD else m.finished_at
+    return dt.datetime.min.replace(tzinfo=dt.UTC) if at is None else at
 
 
 SERIALIZERS: dict[str, type[Serializer]] = {s.type_tag: s for s in (JsonSerializer, TextSerializer, BytesSerializer)}
 """The built-in serializers by tag: ``get`` decodes a payload with the one that wrote it."""
 
 
+KEPT_SHOWN = 20
+"""Kept records (of each kept state) and dead letters of one key that its page reads."""
+
+
 def message(where: Where, queue: str, key: str) -> MessageView:
-    """Everything about one key of a queue (as ``delayq show``), with ``get``'s view of a live message
-    where its payload is of a built-in serializer's (timings, and a result where the queue keeps one).
-    ``InvalidKeyError`` for a key no message can have."""
+    """Everything about one key of a queue (as ``delayq show``): its live message, else what was kept of it
+    (completed, cancelled, dead), with ``get(key, include_dead=True)``'s view of it where its payload is of a
+    built-in serializer's (timings, priority and group, the result); for an in-flight message, the worker
+    running it. ``InvalidKeyError`` for a key no message can have."""
     check_key(key)
     with where.engine.connect() as conn:
         now = database_now(conn)
-        live = list_messages(conn, where.tables, queue, state=None, now=now, key=key, limit=1)
-        dead = list_messages(conn, where.tables, queue, state=State.DEAD, now=now, key=key, limit=20)
+
+        def listed(state: State | None, limit: int = KEPT_SHOWN) -> list[StoredMessage]:
+            return list_messages(conn, where.tables, queue, state=state, now=now, key=key, limit=limit)
+
+        live = listed(None, 1)
+        kept = sorted(listed(State.COMPLETED) + listed(State.CANCELLED), key=_finished_at, reverse=True)
+        view = MessageView(now, live[0] if live else None, None, listed(State.DEAD)[::-1], kept)
+        shown = view.shown
+        serializer = None if shown is None else SERIALIZERS.get(shown.payload_type)
         got = None
-        serializer = SERIALIZERS.get(live[0].payload_type) if live else None
         if serializer is not None:
             q = DelayedQueue(
                 where.engine, queue, table_prefix=where.prefix, schema=where.schema, serializer=serializer()
             )
             try:
-                got = q.get(key, using=conn)
+                got = _same(q.get(key, include_dead=True, using=conn), view)
             except SerializationMismatchError:  # (replaced meanwhile by a payload of another serializer)
                 got = None
+        worker = None
+        if shown is not None and shown.state is State.IN_FLIGHT:
+            worker = next((w for w in list_workers(conn, where.tables) if _runs(w, queue, shown)), None)
         conn.rollback()
-    return MessageView(now, live[0] if live else None, got, dead)
+    return dataclasses.replace(view, message=got, worker=worker)
+
+
+def _same(got: Message | None, view: MessageView) -> Message | None:
+    """``get``'s answer when it is the shown record (the live message, or the same kept record): a message that
+    finished meanwhile, or a key with more kept records than its page reads, shows the listing's record alone."""
+    shown = view.shown
+    if got is None or shown is None or not got.finished:
+        return got if view.live is not None else None
+    return got if (got.state, got.finished_at) == (shown.state.value, _finished_at(shown)) else None
+
+
+def _runs(w: WorkerInfo, queue: str, m: StoredMessage) -> bool:
+    """Whether ``w``'s last heartbeat says it runs this delivery of ``m`` (a worker of an older delayq says nothing)."""
+    return w.state == "running" and any(
+        not r.topic and r.queue == queue and r.key == m.key and r.attempt == m.attempts
+        for r in getattr(w, "running", ())
+    )
 
 
 def cron(where: Where) -> list[dict[str, Any]]:
