@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
+import socket
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +21,9 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from conftest import Backend
 
-from delayq import DelayedQueue
+from delayq import DelayedQueue, Delivery, Handler, Worker
 from delayq.cli import main
+from delayq.runtime import _registry
 from delayq.web import app
 
 with warnings.catch_warnings():  # (Starlette 1.x prefers httpx2 under its TestClient; httpx works)
@@ -202,3 +206,30 @@ def test_the_message_page_shows_a_cancelled_job_and_the_latest_of_a_dead_letter_
     assert "and 1 more kept record" in dead and 'data-action="requeue"' in dead
     missing = c.get("/message", params={"queue": queue_name, "key": "never"})
     assert missing.status_code == 404 and "never offered" in missing.text
+
+
+def test_the_message_page_of_an_in_flight_job_names_the_worker_running_it(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_registry, "BEAT", 0.0)  # (a beat whenever one is asked for)
+    started, release = threading.Event(), threading.Event()
+
+    class Blocking(Handler):
+        queue = queue_name
+
+        def handle(self, delivery: Delivery) -> None:
+            started.set()
+            release.wait(30)
+
+    worker = Worker(backend.engine, [Blocking()], concurrency=2, poll_interval=dt.timedelta(milliseconds=20))
+    DelayedQueue(backend.engine, queue_name).offer("busy", 1, priority=3)
+    worker.start()
+    try:
+        assert started.wait(30)
+        worker._core.registry.beat(1, 0)  # (what the heartbeat loop writes: the handler runs "busy")
+        page = TestClient(app(backend.engine)).get("/message", params={"queue": queue_name, "key": "busy"}).text
+        assert 'class="state in-flight"' in page and field(page, "priority") == "3"
+        assert field(page, "worker").startswith(f"{socket.gethostname()[:200]} pid {os.getpid()}")
+    finally:
+        release.set()
+        assert worker.stop()
