@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import threading
 import time
 from collections import Counter
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from test_cancel import cancelled, finished_rows
 from test_worker import wait_until
@@ -199,3 +201,53 @@ def test_a_cancel_heard_before_the_claims_reply_tells_the_handler_once_its_job_i
     assert k.cancelled.is_set() and not other.cancelled.is_set()
     assert jobs.lost_running() == [registered[0]]  # (the asyncio driver cancels its task)
     assert not k.ack() and other.ack()
+
+
+@pytest.mark.parametrize("ends", ["when told", "returning first", "raising first", "transactional"])
+def test_a_cancel_of_a_running_job_is_logged_at_info_never_as_a_lost_lock(
+    driver: Driver, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture, ends: str
+) -> None:
+    """docs/workers.md: a cancelled job's worker logs ``cancelled while its handler ran`` at INFO on every backend;
+    ``lock lost`` warnings are the alarm for locks lost otherwise. PostgreSQL's workers hear the cancel by NOTIFY;
+    the others find the lock gone at a heartbeat (a handler that waits until told), or at the ack or the recorded
+    failure of a handler that ended first (a transactional one's ack in its transaction), and tell the cancel from
+    a lost lock by the message's cancelled record."""
+    if ends == "transactional" and driver.backend.name == "sqlite":
+        pytest.skip("on SQLite a transactional handler's transaction holds the write lock: a cancel waits for its end")
+    started, go_on = threading.Event(), threading.Event()
+
+    def body(d: Delivery, _: object) -> None:
+        if d.key != "k":
+            return
+        started.set()
+        if ends == "when told":
+            d.cancelled.wait(30)
+            return
+        go_on.wait(30)
+        if ends == "raising first":
+            raise RuntimeError("failed after its cancel")
+
+    caplog.set_level(logging.INFO, logger="delayq")
+    handler = driver.queue_handler(queue_name, body, visibility_timeout=VT, transactional=ends == "transactional")
+    telling = Telling(driver, clock)
+    worker = driver.worker([handler], **telling.options)
+    q = DelayedQueue(driver.backend.engine, queue_name, clock=clock)
+    q.offer("k", 1)
+    telling.start(worker)
+    try:
+        wait_until(started.is_set, "the handler to start")
+        assert q.cancel_job("k") is CancelOutcome.RUNNING
+        if ends == "when told":
+            telling.tell()
+        go_on.set()
+        q.offer("after", 2)
+        wait_until(lambda: worker.handled == 2 and worker.health().held == 0, "both messages to be done with")
+    finally:
+        go_on.set()
+        assert worker.stop()
+    assert cancelled(q, "k") and q.get("after") is None and q.dead_letters() == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [w for w in warnings if "lost" in w], warnings  # (lock lost, or lock(s) lost before the ack)
+    told = [r for r in caplog.records if "cancelled while its handler ran" in r.getMessage()]
+    assert told and {(r.name, r.levelno) for r in told} == {("delayq.worker", logging.INFO)}
+    assert all("'k'" in r.getMessage() for r in told)

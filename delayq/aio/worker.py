@@ -51,7 +51,7 @@ from delayq.queue import DelayedQueue
 from delayq.runtime import _topic_observe as topic_observe
 from delayq.runtime._chores import PruneChore
 from delayq.runtime._core import ACK_GATHER, HEARTBEAT_TICK, MIN_IDLE_SLEEP, Core, WorkerHealth, backoff, exit_now
-from delayq.runtime._jobs import Job, describe, overdue
+from delayq.runtime._jobs import Job, cancels_among, describe, overdue
 from delayq.runtime._sources import QueueSource
 from delayq.runtime._topics import TICK as TOPICS_TICK
 from delayq.runtime._topics import TopicConsumer, TopicJob
@@ -785,7 +785,7 @@ class AsyncWorker:
         As on threads, the ack and the COMMIT, delayq's calls, are bounded by ``call_bound`` (the stall
         timeout): a COMMIT into a connection that went silent is given up (``TimeoutError``, a failed
         attempt) instead of holding the handler's slot, and the worker's stop, for good."""
-        begun = False
+        begun = lost = False
         bound = asyncio.timeout(None)  # armed once the handler has returned
         try:
             async with bound, aq.transaction() as conn:
@@ -797,11 +797,13 @@ class AsyncWorker:
                     bound.reschedule(asyncio.get_running_loop().time() + call_bound)
                 if not await delivery.ack(result=result, duration=took, using=conn):
                     await conn.rollback()
-                    log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
+                    lost = True
         except Exception as exc:
             if begun:
                 raise
             raise _NotBegun from exc
+        if lost and not await greenlet_spawn(cancels_among, aq.sync, [delivery.delivery]):
+            log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:

@@ -4,22 +4,29 @@ The fast path is today's one statement: ``DELETE … WHERE queue, key AND NOT ru
 unexpired). When it deletes nothing, one transaction reads the message ``FOR UPDATE``; a running message is
 copied into ``finished`` with state ``CANCELLED`` and deleted, and on PostgreSQL a NOTIFY on the cancel channel
 (``{messages}_cancel``, payload the message's id) tells the worker holding it when the transaction commits.
-Elsewhere that worker learns it at its next heartbeat, which finds the lock gone. Its handler's later ack, retry or
-dead letter change nothing: each is a compare-and-swap on the lock token of a row that no longer exists.
+Elsewhere that worker learns it at its next heartbeat, which finds the lock gone (or at the ack of a handler that
+returned first), and tells the cancel from a lost lock by the cancelled record (``cancelled_while_held``). Its
+handler's later ack, retry or dead letter change nothing: each is a compare-and-swap on the lock token of a row
+that no longer exists.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from delayq.clock import to_ms
-from delayq.dialects import Statements
+from delayq.dialects import Dialect, Statements
 from delayq.queue._lifecycle import CANCELLED, COMPLETED
 from delayq.queue._tokens import claimed_at
+
+if TYPE_CHECKING:
+    from delayq.messages import Delivery
+    from delayq.queue._base import _QueueBase
 
 FINISHED_COMPLETED = COMPLETED
 """``finished.state`` of a completed message (``delayq.queue._lifecycle``)."""
@@ -115,3 +122,30 @@ def finished_row(row: Any, state: int, keep_ms: int, duration_ms: int | None) ->
         "result_type": None,
         "expires_at": now + keep_ms,
     }
+
+
+def cancelled_records(stmts: Statements) -> sa.Select[Any]:
+    """The cancelled records of some keys of one queue (``:queue_name``, ``:keys``): each one's key, creation time
+    and attempts, which name a message and its attempt (made once, via ``stmts.memo``; the (queue, key) index)."""
+    f = stmts.tables.finished
+    return sa.select(f.c.key, f.c.created_at, f.c.attempts).where(
+        f.c.queue == sa.bindparam("queue_name", type_=sa.String),
+        f.c.key.in_(sa.bindparam("keys", expanding=True)),
+        f.c.state == FINISHED_CANCELLED,
+    )
+
+
+def cancelled_while_held(queue: _QueueBase, deliveries: Sequence[Delivery]) -> set[int]:
+    """The ids of ``deliveries`` (of ``queue``, found without their lock) whose message ``cancel_job`` recorded as
+    cancelled at their attempt: a cancel, not a lost lock. One read, in delayq's own transaction."""
+    keys = sorted({d.key for d in deliveries})
+    if not keys:
+        return set()
+    params = {"queue_name": queue.name, "keys": keys}
+
+    def op(conn: sa.Connection, dialect: Dialect) -> set[tuple[str, int, int]]:
+        rows = conn.execute(queue._statements(dialect).memo(cancelled_records), params)
+        return {(r.key, int(r.created_at), int(r.attempts)) for r in rows}
+
+    found = queue._runner.run(None, op, "read")
+    return {d.id for d in deliveries if (d.key, to_ms(d.created_at), d.attempts) in found}

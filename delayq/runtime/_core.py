@@ -43,7 +43,7 @@ from delayq.handler import Handler
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
 from delayq.runtime._chores import PruneChore
-from delayq.runtime._jobs import Job, Jobs, describe, overdue
+from delayq.runtime._jobs import Job, Jobs, cancels_among, describe, overdue
 from delayq.runtime._registry import Registry, topic_labels
 from delayq.runtime._sources import QueueSource, StartQueueJob
 from delayq.runtime._topic_gc import TopicCollector
@@ -343,7 +343,7 @@ class Core:
 
         The server ends the transaction once idle for the visibility timeout (``queue.transaction``);
         the ack and the COMMIT, delayq's calls, are bounded by ``call_bound`` (the stall timeout)."""
-        begun = False
+        begun = lost = False
         try:
             with queue.transaction() as conn:
                 begun = True
@@ -354,11 +354,13 @@ class Core:
                 bounds.arm(conn.connection.dbapi_connection, call_bound)  # until the COMMIT returns
                 if not delivery.ack(result=result, duration=took, using=conn):
                     conn.rollback()
-                    log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
+                    lost = True
         except Exception as exc:
             if begun:
                 raise
             raise NotBegun from exc
+        if lost and not cancels_among(queue, [delivery]):
+            log.warning("%s: lock lost while handling; its writes were rolled back", delivery.label)
 
     # -- heartbeats, timeouts, acks -------------------------------------------------------------
     def beat(self) -> bool:

@@ -24,8 +24,12 @@ from delayq.handler import Handler
 from delayq.humanize import human
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
+from delayq.queue._cancel import cancelled_while_held
 
 log = logging.getLogger("delayq.worker")
+
+CANCELLED_LINE = "%s: cancelled while its handler ran; nothing of it is recorded"
+"""The INFO line of a job whose message ``cancel_job`` took while its handler ran, however its worker heard of it."""
 
 
 class Cancellable(Protocol):
@@ -147,7 +151,7 @@ class Jobs:
                 del self._early_cancels[next(iter(self._early_cancels))]
         for x in found:
             x.delivery._cancel()
-            log.info("%s: cancelled while its handler ran; nothing of it is recorded", x.delivery.label)
+            log.info(CANCELLED_LINE, x.delivery.label)
         return len(found)
 
     def lost_running(self) -> list[Job]:
@@ -242,11 +246,12 @@ class Jobs:
             _, lost = self._extend(queue, group)
             lost_ids = {id(d) for d in lost}
             gone = [x for x in group if id(x.delivery) in lost_ids]
-            if len(gone) > acked:
+            lost_count = len(gone) - acked
+            if lost_count > 0:  # (an acked delivery has no cancelled record: it counts in neither)
+                lost_count -= len(cancels_among(queue, [x.delivery for x in gone]))
+            if lost_count > 0:
                 log.warning(
-                    "queue %s: %d lock(s) lost before the ack; those messages come again",
-                    queue.name,
-                    len(gone) - acked,
+                    "queue %s: %d lock(s) lost before the ack; those messages come again", queue.name, lost_count
                 )
             if len(gone) < len(group):
                 log.info("queue %s: %d message(s) locked elsewhere; acked later", queue.name, len(group) - len(gone))
@@ -305,7 +310,13 @@ class Jobs:
                     self.handled += 1
         for x in newly_lost:
             x.delivery._cancel()  # its handler's work no longer counts
-            log.warning("%s: lock lost (the message cancelled, replaced, or taken after expiry)", x.delivery.label)
+        cancelled = cancels_among(queue, [x.delivery for x in newly_lost])
+        for x in newly_lost:
+            if x.delivery.id not in cancelled:
+                log.warning(
+                    "%s: lock lost (the message replaced, rescheduled, deleted, or taken after expiry)",
+                    x.delivery.label,
+                )
         return extended, lost
 
     def _extend_due(self, job: Job, now: float) -> bool:
@@ -338,6 +349,23 @@ class Jobs:
                     len(group),
                     describe(exc),
                 )
+
+
+def cancels_among(queue: DelayedQueue, deliveries: Sequence[Delivery]) -> set[int]:
+    """The ids of ``deliveries``, found without their lock, whose message a ``cancel_job`` took while they were held,
+    each logged at INFO (``CANCELLED_LINE``, as when a worker hears the cancel by NOTIFY); the others' locks were
+    lost otherwise, which the caller warns of. One read, only when a lock was found gone; a failed one finds none."""
+    if not deliveries:
+        return set()
+    try:
+        cancelled = cancelled_while_held(queue, deliveries)
+    except Exception as exc:
+        log.info("queue %s: could not read which lost locks were cancels (%s)", queue.name, describe(exc))
+        return set()
+    for d in deliveries:
+        if d.id in cancelled:
+            log.info(CANCELLED_LINE, d.label)
+    return cancelled
 
 
 def by_queue(jobs: Iterable[Job]) -> list[tuple[DelayedQueue, list[Job]]]:

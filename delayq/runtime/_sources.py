@@ -19,7 +19,7 @@ from delayq.errors import SchemaMissingError
 from delayq.handler import Handler
 from delayq.humanize import human
 from delayq.queue import DelayedQueue
-from delayq.runtime._jobs import Cancellable, Job, Jobs, describe
+from delayq.runtime._jobs import Cancellable, Job, Jobs, cancels_among, describe
 
 log = logging.getLogger("delayq.worker")
 
@@ -117,7 +117,8 @@ class QueueSource:
                 # (the failure itself is logged once, with its traceback, on delayq.delivery)
                 log.info("%s: attempt %d dead-lettered", delivery.label, delivery.attempts)
                 held = delivery.dead_letter(outcome.reason, exception=exc)
-            if not held and not job.lost:  # (a lost lock the heartbeat found is logged already)
+            # (a lost lock the heartbeat found is logged already; a cancel is logged at INFO)
+            if not held and not job.lost and not cancels_among(job.queue, [delivery]):
                 log.warning("%s: lock lost before the outcome was recorded", delivery.label)
         except Exception as db_error:
             log.warning(
