@@ -23,7 +23,8 @@ from delayq.tags import decode_tags, tag_pattern
 
 
 class State(enum.Enum):
-    """Where a live message stands (dead letters live in their own table)."""
+    """Where a message stands: live (the first four), or kept after it left the queue (dead letters, completed
+    and cancelled messages). ``STATE_NAMES`` are their values: what ``delayq ls --state`` and the dashboard take."""
 
     READY = "ready"
     SCHEDULED = "scheduled"
@@ -36,6 +37,24 @@ class State(enum.Enum):
     """Kept after its handler succeeded (``retention``, ``unique_for``), until pruned."""
     CANCELLED = "cancelled"
     """Kept after it was cancelled, until pruned."""
+
+    @property
+    def kept(self) -> bool:
+        """Whether it is a state of a message that left the queue (dead, completed, cancelled)."""
+        return self in (State.DEAD, State.COMPLETED, State.CANCELLED)
+
+    @classmethod
+    def named(cls, name: str) -> State:
+        """The state of ``STATE_NAMES`` called ``name``; ``InvalidInputError`` (one line) for any other."""
+        try:
+            return cls(name)
+        except ValueError:
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise InvalidInputError(f"no such state {shown!r}: choose among {', '.join(STATE_NAMES)}") from None
+
+
+STATE_NAMES = tuple(s.value for s in State)
+"""Every state a listing takes, by name: the CLI's ``--state`` choices and the dashboard's ``state=``."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +85,19 @@ class StoredMessage:
 
     @property
     def cursor(self) -> tuple[int, int, str]:
-        """What ``list_messages(after=…)`` takes for the page after this message: (due time in ms, id, key)."""
-        due = 0 if self.scheduled_at is None else to_ms(self.scheduled_at)
-        return due, self.id or 0, self.key
+        """What ``list_messages(after=…)`` takes for the page after this message: (position in ms, id, key),
+        the position being its due time (a dead letter's failure time, a kept message's finish time)."""
+        at = self.failed_at if self.state is State.DEAD else self.finished_at if self.state.kept else self.scheduled_at
+        return 0 if at is None else to_ms(at), self.id or 0, self.key
 
     tags: tuple[str, ...] = ()
     """The tags its offer gave it (``delayq.tags``)."""
+    priority: int | None = None
+    """A live message's priority (``offer(priority=)``, 0 unless set); None for a dead letter or a kept message:
+    they do not record it."""
+    group: str | None = None
+    """A live message's group (``offer(group=)``), None when it has none; None for a dead letter or a kept
+    message, as ``priority``."""
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -96,6 +122,8 @@ class StoredMessage:
             "duration": None if self.duration is None else self.duration.total_seconds(),
             "result": self.result,
             "tags": list(self.tags),
+            "priority": self.priority,
+            "group": self.group,
         }
 
 
@@ -141,15 +169,15 @@ def list_messages(
     by_key: bool = False,
     tag: str | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time (dead letters by id; with
-    ``by_key``, live messages by key: what makes a page under a ``key_prefix`` cheap on a big queue); with
-    ``tag``, only those carrying it.
+    """A queue's messages in ``state`` (None: every live one); with ``tag``, only those carrying it.
 
+    Live messages go by due time, dead letters by failure time, completed and cancelled ones by finish time
+    (then by id). Under a ``key_prefix``, dead letters and kept messages go by key, and so do live ones with
+    ``by_key``: a range of the (queue, key) index, so that a page under a prefix is cheap on a big queue.
     Paged by keyset: ``after`` is the ``cursor`` of the last message of the page before (never an OFFSET,
-    so a page deep in a big queue costs what the first does). Kept messages (``State.COMPLETED``,
-    ``State.CANCELLED``) go by id, the order they finished in."""
+    so a page deep in a big queue costs what the first does)."""
     dead = state is State.DEAD
-    kept = state in (State.COMPLETED, State.CANCELLED)
+    kept = state is not None and state.kept
     rows = _views.list_rows(
         conn,
         tables,
@@ -161,14 +189,14 @@ def list_messages(
         key=key,
         limit=limit,
         after=after,
-        key_order=by_key and not dead,
+        key_order=by_key or (kept and bool(key_prefix)),
         tag_pattern=None if tag is None else tag_pattern(tag),
     )
     return [
         StoredMessage(
             queue=queue,
             key=r.key,
-            state=state if (dead or kept) and state is not None else _state(r.scheduled_at, r.lock_token, now),
+            state=state if state is not None and kept else _state(r.scheduled_at, r.lock_token, now),
             payload_type=r.payload_type,
             payload=show_payload(r.payload_type, r.payload),
             scheduled_at=None if r.scheduled_at is None else from_ms(r.scheduled_at),
@@ -182,9 +210,53 @@ def list_messages(
             duration=None if r.duration_ms is None else dt.timedelta(milliseconds=r.duration_ms),
             result=None if r.result is None else show_payload(r.result_type or "", r.result),
             tags=decode_tags(r.tags),
+            priority=None if r.priority is None else int(r.priority),
+            group=r.group_key,
         )
         for r in rows
     ]
+
+
+SearchCursor = tuple[str, tuple[int, int, str]]
+"""Where a search's next page starts: the queue of the last message of the page before, and its ``cursor``."""
+
+
+def search_messages(
+    conn: sa.Connection,
+    tables: Tables,
+    *,
+    state: State | None,
+    now: dt.datetime,
+    key_prefix: str | None = None,
+    tag: str | None = None,
+    limit: int = 100,
+    after: SearchCursor | None = None,
+) -> list[StoredMessage]:
+    """The messages of every queue in ``state`` (None: every live one) whose key starts with ``key_prefix``
+    and that carry ``tag``: queue by queue in name order, each as ``list_messages`` lists it (under a prefix,
+    by key). Paged by keyset: ``after`` is ``(m.queue, m.cursor)`` of the last message of the page before.
+
+    One read of the queue names, then one ``list_messages`` per queue until the page is full: a range of one
+    of the queue's indexes each (a queue with no match costs a probe of its index, with a ``key_prefix``)."""
+    found: list[StoredMessage] = []
+    for name in queue_names(conn, tables):
+        if after is not None and name < after[0]:
+            continue
+        found += list_messages(
+            conn,
+            tables,
+            name,
+            state=state,
+            now=now,
+            key_prefix=key_prefix,
+            limit=limit - len(found),
+            after=after[1] if after is not None and name == after[0] else None,
+            by_key=bool(key_prefix),
+            tag=tag,
+        )
+        if len(found) >= limit:
+            break
+    return found
 
 
 def _state(scheduled_at: int, lock_token: str | None, now: dt.datetime) -> State:
@@ -262,7 +334,6 @@ class WorkerInfo:
     running: tuple[RunningJob, ...] = ()
     """What its handlers were running at its last heartbeat, the longest-running first (a heartbeat writes at
     most 16 KB of them: ``slots_in_use`` counts them all); none once it stopped."""
-
 
     @property
     def state(self) -> str:

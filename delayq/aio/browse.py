@@ -8,10 +8,10 @@ import functools
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from delayq import browse
-from delayq.browse import QueueHistory, State, StoredMessage, WorkerInfo
+from delayq.browse import QueueHistory, SearchCursor, State, StoredMessage, WorkerInfo
 from delayq.schema import Tables
 
-__all__ = ["list_messages", "list_workers", "queue_history", "queue_names"]
+__all__ = ["list_messages", "list_workers", "queue_history", "queue_names", "search_messages"]
 
 
 async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
@@ -33,8 +33,8 @@ async def list_messages(
     by_key: bool = False,
     tag: str | None = None,
 ) -> list[StoredMessage]:
-    """A queue's messages (or dead letters, with ``State.DEAD``), by due time, a keyset page at a time;
-    see ``delayq.browse``."""
+    """A queue's messages in a state (live, dead, completed or cancelled), a keyset page at a time; see
+    ``delayq.browse.list_messages``."""
     view = functools.partial(
         browse.list_messages,
         tables=tables,
@@ -47,6 +47,32 @@ async def list_messages(
         after=after,
         by_key=by_key,
         tag=tag,
+    )
+    return await conn.run_sync(view)
+
+
+async def search_messages(
+    conn: AsyncConnection,
+    tables: Tables,
+    *,
+    state: State | None,
+    now: dt.datetime,
+    key_prefix: str | None = None,
+    tag: str | None = None,
+    limit: int = 100,
+    after: SearchCursor | None = None,
+) -> list[StoredMessage]:
+    """The matching messages of every queue, queue by queue, a keyset page at a time; see
+    ``delayq.browse.search_messages``."""
+    view = functools.partial(
+        browse.search_messages,
+        tables=tables,
+        state=state,
+        now=now,
+        key_prefix=key_prefix,
+        tag=tag,
+        limit=limit,
+        after=after,
     )
     return await conn.run_sync(view)
 

@@ -1,4 +1,4 @@
-"""The operator's commands on queued messages: enqueue, ls, show, reschedule, run-now, cancel."""
+"""The operator's commands on queued messages: enqueue, ls, search, show, reschedule, run-now, cancel."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from delayq.browse import State, StoredMessage, database_now, keys_under, list_messages
+from delayq.browse import (
+    STATE_NAMES,
+    State,
+    StoredMessage,
+    database_now,
+    keys_under,
+    list_messages,
+    search_messages,
+)
 from delayq.cli import _bulk as bulk
 from delayq.cli._common import (
     STATE_COLOURS,
@@ -39,14 +47,27 @@ PAYLOAD_SHOWN = 200
 """Characters of a payload (as JSON) that listings show; ``show`` and ``ls --full`` show it whole."""
 
 
+def _filters(command: Callable[..., None]) -> Callable[..., None]:
+    """The options ``ls`` and ``search`` share: a state of ``STATE_NAMES``, a key prefix, a tag, the output."""
+    for option in reversed(
+        [
+            click.option(
+                "--state", type=click.Choice(STATE_NAMES), help="Only messages in this state (default: live)."
+            ),
+            click.option("--key-prefix", help="Only keys that start with this."),
+            click.option("--tag", help="Only messages carrying this tag."),
+            click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1, max=1_000_000)),
+            click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+            click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters)."),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
 @main.command(name="ls")
 @click.argument("queue")
-@click.option("--state", type=click.Choice([s.value for s in State]), help="Only messages in this state.")
-@click.option("--key-prefix", help="Only keys that start with this.")
-@click.option("--tag", help="Only messages (or dead letters) carrying this tag.")
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--full", is_flag=True, help=f"Payloads whole (else cut at {PAYLOAD_SHOWN} characters).")
+@_filters
 @click.pass_context
 @friendly
 def ls(
@@ -59,11 +80,12 @@ def ls(
     as_json: bool,
     full: bool,
 ) -> None:
-    """List a queue's messages (or dead letters) by due time, in the states `stats` counts.
+    """List a queue's messages in a state: live ones (the states `stats` counts) by due time; dead letters,
+    completed and cancelled ones (kept after they finished) by when they did.
 
     A queue with nothing in it lists nothing (exit 0); when the database knows nothing of it at all,
     stderr says so, with the queues it does know. A payload longer than 200 characters (as JSON) is
-    cut, with its length: `show` and `--full` print it whole.
+    cut, with its length: `show` and `--full` print it whole. `search` lists every queue's.
     """
     check_queue_name(queue)
     with connect(ctx) as (_, conn):
@@ -72,15 +94,51 @@ def ls(
             conn,
             make_tables(ctx.obj["prefix"]),
             queue,
-            state=State(state) if state else None,
+            state=State.named(state) if state else None,
             now=now,
-            key_prefix=key_prefix,
+            key_prefix=None if key_prefix is None else check_prefix(key_prefix),
             limit=limit,
             tag=tag,
         )
         note = "" if found or as_json or tag else unknown_queue_note(ctx, conn, queue)
     if note:
         click.echo(f"note: {note}", err=True)
+    _listed(found, state, now, as_json, full, [])
+
+
+@main.command()
+@_filters
+@click.pass_context
+@friendly
+def search(
+    ctx: click.Context,
+    state: str | None,
+    key_prefix: str | None,
+    tag: str | None,
+    limit: int,
+    as_json: bool,
+    full: bool,
+) -> None:
+    """List the messages of every queue in a state (default: live) under a key prefix, carrying a tag:
+    queue by queue in name order, each as `ls` lists it (under a key prefix, by key)."""
+    with connect(ctx) as (_, conn):
+        now = database_now(conn)
+        found = search_messages(
+            conn,
+            make_tables(ctx.obj["prefix"]),
+            state=State.named(state) if state else None,
+            now=now,
+            key_prefix=None if key_prefix is None else check_prefix(key_prefix),
+            tag=tag,
+            limit=limit,
+        )
+    _listed(found, state, now, as_json, full, ["queue"])
+
+
+def _listed(
+    found: list[StoredMessage], state: str | None, now: dt.datetime, as_json: bool, full: bool, first: list[str]
+) -> None:
+    """Print a listing: a table whose time columns fit ``state``, or JSON."""
     if as_json:
         listed = [m.as_dict() for m in found]
         for d in listed:
@@ -95,11 +153,12 @@ def ls(
         when = ["lock_expires", "running"]
     extra = ["result"] if kept else []
     tagged = ["tags"] if any(m.tags for m in found) else []
-    emit(rows, False, ["key", "state", *when, "attempts", "last_error", *tagged, "payload", *extra])
+    emit(rows, False, [*first, "key", "state", *when, "attempts", "last_error", *tagged, "payload", *extra])
 
 
 def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
     return {
+        "queue": m.queue,
         "key": m.key,
         "state": m.state.value,
         "due": relative(m.scheduled_at, now),
@@ -118,6 +177,8 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
 
 QUIET_UNSET = ("failed_at", "finished_at", "duration", "result")
 """Fields ``show`` leaves out when unset (they belong to dead letters or kept messages)."""
+NOT_RECORDED = ("priority", "group")
+"""Fields of a live message that dead letters and kept messages do not record (``show`` says so)."""
 
 
 @main.command()
@@ -127,8 +188,8 @@ QUIET_UNSET = ("failed_at", "finished_at", "duration", "result")
 @click.pass_context
 @friendly
 def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
-    """Everything about one message (or its dead letters, or what was kept after it completed or was
-    cancelled: its result and how long it ran)."""
+    """Everything about one message, its priority and group included (or its dead letters, or what was kept
+    after it completed or was cancelled: its result and how long it ran)."""
     tables = make_tables(ctx.obj["prefix"])
     check_queue_name(queue)
     with connect(ctx) as (_, conn):
@@ -145,6 +206,8 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
         for name, value in m.as_dict().items():
             if name == "attempt_history" or (name in QUIET_UNSET and value is None):
                 continue
+            if name in NOT_RECORDED and m.state in (State.DEAD, State.COMPLETED, State.CANCELLED):
+                value = "(not recorded)"
             if name == "duration":
                 value = human(dt.timedelta(seconds=value))
             if name == "state":

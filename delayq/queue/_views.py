@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from delayq.dialects import Statements, dialect_for
 from delayq.dialects.base import prefix_bounds
+from delayq.queue._checks import check_key, check_prefix, check_queue_name
 from delayq.schema import Tables, make_tables
 
 STATES = ("ready", "scheduled", "in-flight", "expired-lock")
@@ -80,10 +81,8 @@ def _rows(
     key_order: bool = False,
     by_tag: bool = False,
 ) -> sa.Select[Any]:
-    """The listing's statement. Live messages go by due time, or, with ``key_order``, by key (under a key
-    prefix, a range of the (queue, key) index: the first page of a prefix costs its rows, not a walk of the
-    due-time index past every message outside it). Dead letters go by id. ``paged`` continues after a cursor;
-    ``by_tag``: only the rows whose tags match ``:tag_pattern``."""
+    """The listing's statement over the live messages (or, with ``dead``, the dead letters). ``paged``
+    continues after a cursor; ``by_tag``: only the rows whose tags match ``:tag_pattern``."""
     if dead:
         t = stmts.tables.dead_letters
         stmt = sa.select(
@@ -99,9 +98,9 @@ def _rows(
             sa.null().label("lock_token"),
             t.c.tags,
             *_not_finished(),
-        ).order_by(t.c.id)
-        if paged:
-            stmt = stmt.where(t.c.id > _ms("after_id"))
+            *_not_recorded(),
+        )
+        position = t.c.failed_at
     else:
         t = stmts.tables.messages
         stmt = sa.select(
@@ -117,6 +116,8 @@ def _rows(
             t.c.lock_token,
             t.c.tags,
             *_not_finished(),
+            t.c.priority,
+            t.c.group_key,
         )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
@@ -127,16 +128,27 @@ def _rows(
         }
         if state is not None:
             stmt = stmt.where(where[state])
-        if key_order:
-            stmt = stmt.order_by(t.c.key)
-            if paged:
-                stmt = stmt.where(t.c.key > sa.bindparam("after_key", type_=sa.String))
-        else:
-            stmt = stmt.order_by(t.c.scheduled_at, t.c.id)
-            if paged:  # (scheduled_at, id) after the cursor's, as a range the (queue, scheduled_at, id) index starts at
-                after_at, after_id = _ms("after_at"), _ms("after_id")
-                stmt = stmt.where(t.c.scheduled_at >= after_at, sa.or_(t.c.scheduled_at > after_at, t.c.id > after_id))
-    stmt = stmt.where(t.c.queue == sa.bindparam("queue_name")).limit(sa.bindparam("limit", type_=sa.Integer))
+        position = t.c.scheduled_at
+    stmt = _paged(stmt, t.c.key if key_order else position, t.c.id, key_order, paged)
+    return _filtered(stmts, stmt.where(t.c.queue == sa.bindparam("queue_name")), t, by_prefix, by_key, by_tag)
+
+
+def _paged(
+    stmt: sa.Select[Any], first: sa.ColumnElement[Any], ident: sa.ColumnElement[int], by_key: bool, paged: bool
+) -> sa.Select[Any]:
+    """``stmt`` in (``first``, id) order, after the cursor's (``after_key`` or ``after_at``, ``after_id``) when
+    ``paged``: ``first >= :after`` bounds the index range the listing reads (see ``list_rows``), the rest filters
+    within it. Never an OFFSET: a page deep in a big queue costs what the first does."""
+    stmt = stmt.order_by(first, ident).limit(sa.bindparam("limit", type_=sa.Integer))
+    if not paged:
+        return stmt
+    after = sa.bindparam("after_key", type_=sa.String) if by_key else _ms("after_at")
+    return stmt.where(first >= after, sa.or_(first > after, ident > _ms("after_id")))
+
+
+def _filtered(
+    stmts: Statements, stmt: sa.Select[Any], t: sa.Table, by_prefix: bool, by_key: bool, by_tag: bool
+) -> sa.Select[Any]:
     if by_prefix:
         stmt = stmt.where(stmts.starts_with(t.c.key))
     if by_key:
@@ -155,43 +167,44 @@ def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
     return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
 
 
+def _not_recorded() -> tuple[sa.ColumnElement[Any], ...]:
+    """A kept row's priority and group: dead letters and finished rows do not record them."""
+    no = sa.null()
+    return (no.label("priority"), no.label("group_key"))
+
+
 def _kept_rows(
-    stmts: Statements, kept: int, by_prefix: bool, by_key: bool, paged: bool, by_tag: bool = False
+    stmts: Statements,
+    kept: int,
+    by_prefix: bool,
+    by_key: bool,
+    paged: bool,
+    by_tag: bool = False,
+    key_order: bool = False,
 ) -> sa.Select[Any]:
-    """The listing of a queue's kept finished messages in one state, by id (the order they finished in)."""
+    """The listing of a queue's kept finished messages in one state."""
     f = stmts.tables.finished
     no = sa.null()
-    stmt = (
-        sa.select(
-            f.c.id,
-            f.c.key,
-            f.c.payload_type,
-            f.c.payload,
-            f.c.attempts,
-            f.c.last_error,
-            f.c.attempt_history,
-            no.label("failed_at"),
-            no.label("scheduled_at"),
-            no.label("lock_token"),
-            f.c.tags,
-            f.c.finished_at,
-            f.c.duration_ms,
-            f.c.result,
-            f.c.result_type,
-        )
-        .where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
-        .order_by(f.c.id)
-        .limit(sa.bindparam("limit", type_=sa.Integer))
-    )
-    if paged:
-        stmt = stmt.where(f.c.id > _ms("after_id"))
-    if by_prefix:
-        stmt = stmt.where(stmts.starts_with(f.c.key))
-    if by_key:
-        stmt = stmt.where(f.c.key == sa.bindparam("msg_key"))
-    if by_tag:
-        stmt = stmt.where(f.c.tags.like(sa.bindparam("tag_pattern", type_=sa.String), escape="!"))
-    return stmt
+    stmt = sa.select(
+        f.c.id,
+        f.c.key,
+        f.c.payload_type,
+        f.c.payload,
+        f.c.attempts,
+        f.c.last_error,
+        f.c.attempt_history,
+        no.label("failed_at"),
+        no.label("scheduled_at"),
+        no.label("lock_token"),
+        f.c.tags,
+        f.c.finished_at,
+        f.c.duration_ms,
+        f.c.result,
+        f.c.result_type,
+        *_not_recorded(),
+    ).where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
+    stmt = _paged(stmt, f.c.key if key_order else f.c.finished_at, f.c.id, key_order, paged)
+    return _filtered(stmts, stmt, f, by_prefix, by_key, by_tag)
 
 
 def list_rows(
@@ -209,37 +222,27 @@ def list_rows(
     key_order: bool = False,
     tag_pattern: str | None = None,
 ) -> Sequence[Row[Any]]:
-    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``, by due time (with
-    ``key_order``: by key); or, with ``dead``, its dead letters by id. Columns: id, key, payload_type,
-    payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token (NULL where they do
-    not apply), tags.
+    """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``; with ``dead``, its
+    dead letters; with a state of ``KEPT_STATES``, its kept finished messages in it. Columns: id, key,
+    payload_type, payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token, tags,
+    finished_at, duration_ms, result, result_type, priority, group_key (NULL where they do not apply: kept rows
+    record no priority or group). With ``tag_pattern``
+    (``delayq.tags.tag_pattern``): only those carrying the tag.
 
-    ``after`` pages by keyset, never by OFFSET: the rows after the one whose (scheduled_at, id, key) it is
-    (only what the listing's order compares counts: the id of a dead letter, the key in key order).
-    With a state of ``KEPT_STATES``: the kept finished messages in it, by id, with their finished_at,
-    duration_ms, result and result_type (NULL for the others). With ``tag_pattern``
-    (``delayq.tags.tag_pattern``): only those carrying the tag."""
-    if state in KEPT_STATES:
-        kept_shape = (KEPT_STATES[state], bool(key_prefix), key is not None, after is not None, tag_pattern is not None)
-        kept_params: dict[str, Any] = {"queue_name": queue, "limit": limit, "msg_key": key}
-        if after is not None:
-            kept_params["after_id"] = after[1]
-        if key_prefix:
-            kept_params.update(prefix_bounds(key_prefix))
-        if tag_pattern is not None:
-            kept_params["tag_pattern"] = tag_pattern
-        return conn.execute(_stmts(conn, tables).memo(_kept_rows, *kept_shape), kept_params).all()
-    if state is not None and state not in STATES:
+    Each listing is in (position, id) order, a range of an index of the queue's: live messages by due time
+    (the (queue, scheduled_at, id) index), dead letters by failure time ((queue, failed_at)), kept ones by
+    finish time ((queue, state, finished_at, id)); with ``key_order``, each by (key, id) instead (the
+    (queue, key) indexes: under a key prefix, a page costs its rows, not a walk past every row outside it).
+    ``after`` pages by keyset, never by OFFSET: the rows after the one whose (position, id, key) it is.
+    A queue name, key or prefix no row can have is an ``InvalidInputError`` before anything is sent."""
+    check_queue_name(queue)
+    if key is not None:
+        check_key(key)
+    if key_prefix:
+        check_prefix(key_prefix)
+    kept = KEPT_STATES.get(state or "")
+    if kept is None and state is not None and state not in STATES:
         raise ValueError(f"no such state: {state!r}")
-    shape = (
-        dead,
-        None if dead else state,
-        bool(key_prefix),
-        key is not None,
-        after is not None,
-        key_order,
-        tag_pattern is not None,
-    )
     params: dict[str, Any] = {"queue_name": queue, "limit": limit, "at": now_ms, "msg_key": key}
     if after is not None:
         params.update(after_at=after[0], after_id=after[1], after_key=after[2])
@@ -247,7 +250,13 @@ def list_rows(
         params.update(prefix_bounds(key_prefix))
     if tag_pattern is not None:
         params["tag_pattern"] = tag_pattern
-    return conn.execute(_stmts(conn, tables).memo(_rows, *shape), params).all()
+    filters = (bool(key_prefix), key is not None, after is not None)
+    if kept is not None:
+        stmt = _stmts(conn, tables).memo(_kept_rows, kept, *filters, tag_pattern is not None, key_order)
+    else:
+        shape = (dead, None if dead else state, *filters, key_order, tag_pattern is not None)
+        stmt = _stmts(conn, tables).memo(_rows, *shape)
+    return conn.execute(stmt, params).all()
 
 
 def _flow(stmts: Statements) -> sa.Select[Any]:

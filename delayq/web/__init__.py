@@ -71,6 +71,7 @@ def app(
         route("/queue", _pages.messages),
         route("/dead", _pages.dead_letters),
         route("/message", _pages.message),
+        route("/search", _pages.search),
         route("/cron", _pages.cron),
         route("/topics", _pages.topics),
         route("/topic", _pages.topic),

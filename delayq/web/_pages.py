@@ -9,14 +9,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from delayq.browse import State
+from delayq.browse import STATE_NAMES, State
 from delayq.errors import InvalidInputError
 from delayq.queue import check_queue_name
 from delayq.tags import check_tag
 from delayq.web import _reads
 from delayq.web._render import Dashboard, json_response
-
-LIVE_STATES = [s.value for s in State if s not in (State.DEAD, State.COMPLETED, State.CANCELLED)]
 
 
 def _queue(request: Request, name: str = "queue") -> str:
@@ -48,12 +46,26 @@ async def queue_json(dash: Dashboard, request: Request) -> Response:
     return json_response(view.as_dict())
 
 
+def _state(request: Request) -> State | None:
+    """The ``state`` asked for (one of ``STATE_NAMES``, as ``delayq ls --state``); None (every live one) when empty."""
+    text = request.query_params.get("state", "")
+    return State.named(text) if text else None
+
+
+def _cursor(request: Request) -> tuple[int, int, str] | None:
+    try:
+        return _reads.decode_cursor(request.query_params.get("after"))
+    except ValueError:
+        raise InvalidInputError("bad page cursor: follow the dashboard's own 'next' link") from None
+
+
+def _tag(request: Request) -> str:
+    tag = request.query_params.get("tag", "")
+    return check_tag(tag) if tag else ""
+
+
 async def messages(dash: Dashboard, request: Request) -> Response:
-    name = _queue(request)
-    state_text = request.query_params.get("state", "")
-    if state_text and state_text not in LIVE_STATES:
-        return dash.error(request, 400, f"no such state {state_text!r}: choose among {', '.join(LIVE_STATES)}")
-    return await _listing(dash, request, name, State(state_text) if state_text else None, "messages.html")
+    return await _listing(dash, request, _queue(request), _state(request), "messages.html")
 
 
 async def dead_letters(dash: Dashboard, request: Request) -> Response:
@@ -63,15 +75,8 @@ async def dead_letters(dash: Dashboard, request: Request) -> Response:
 async def _listing(dash: Dashboard, request: Request, name: str, state: State | None, template: str) -> Response:
     prefix = request.query_params.get("prefix", "")
     # (a tag filters the messages page only: the dead letters' bulk actions act by key prefix alone)
-    tag = request.query_params.get("tag", "") if state is not State.DEAD else ""
-    try:
-        after = _reads.decode_cursor(request.query_params.get("after"))
-    except ValueError:
-        return dash.error(request, 400, "bad page cursor: follow the dashboard's own 'next' link")
-    try:
-        tag = check_tag(tag) if tag else ""
-    except InvalidInputError as e:
-        return dash.error(request, 400, str(e))
+    tag = _tag(request) if template == "messages.html" else ""
+    after = _cursor(request)
     page, view = await run_in_threadpool(_page_and_counts, dash, name, state, prefix, tag, after)
     rows = [_row(m) for m in page.messages]
     return dash.render(
@@ -79,7 +84,7 @@ async def _listing(dash: Dashboard, request: Request, name: str, state: State | 
         template,
         queue=name,
         state=state.value if state else "",
-        states=LIVE_STATES,
+        states=STATE_NAMES,
         prefix=prefix,
         tag=tag,
         after=request.query_params.get("after", ""),
@@ -99,15 +104,41 @@ def _page_and_counts(
 
 def _row(m: Any) -> dict[str, Any]:
     return {
+        "queue": m.queue,
         "key": m.key,
         "state": m.state.value,
+        "kept": m.state.kept,
         "scheduled_at": m.scheduled_at,
         "failed_at": m.failed_at,
+        "finished_at": m.finished_at,
+        "duration": m.duration,
+        "result": "" if m.result is None else _reads.short_payload(m.result),
         "attempts": m.attempts,
         "last_error": m.last_error or "",
         "payload": _reads.short_payload(m.payload),
         "tags": ", ".join(getattr(m, "tags", ())),
     }
+
+
+async def search(dash: Dashboard, request: Request) -> Response:
+    """Every queue's messages in a state under a key prefix carrying a tag, a keyset page at a time."""
+    state, prefix, tag, after = _state(request), request.query_params.get("prefix", ""), _tag(request), _cursor(request)
+    after_queue = request.query_params.get("after_queue", "")
+    if (after is None) != (not after_queue):
+        raise InvalidInputError("bad page cursor: follow the dashboard's own 'next' link")
+    where = None if after is None else (check_queue_name(after_queue), after)
+    page = await run_in_threadpool(_reads.search_page, dash.where, state=state, key_prefix=prefix, tag=tag, after=where)
+    return dash.render(
+        request,
+        "search.html",
+        state=state.value if state else "",
+        states=STATE_NAMES,
+        prefix=prefix,
+        tag=tag,
+        after=request.query_params.get("after", ""),
+        page=page,
+        rows=[_row(m) for m in page.messages],
+    )
 
 
 async def message(dash: Dashboard, request: Request) -> Response:
