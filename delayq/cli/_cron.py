@@ -31,6 +31,8 @@ def cron_ls(ctx: click.Context, queue: str | None, as_json: bool, at_text: str |
     """
     from delayq.cron import schedule_views
 
+    if queue is not None:
+        check_queue_name(queue)
     with connect(ctx) as (engine, conn):
         now = parse_time(at_text) if at_text else None
         views = schedule_views(engine, conn, make_tables(ctx.obj["prefix"]), queue=queue, now=now)
