@@ -242,14 +242,14 @@ def test_the_command_line_records_its_actions_as_the_os_user_and_delayq_audit_li
         ("cancel", {"key": "b/1"}, 1),
         ("cancel", {"prefix": "a/"}, 2),
         ("requeue", {"key": "e/1"}, 1),
-        ("purge-all", {"prefix": "d/"}, 2),
+        ("purge-all", {"prefix": "d/", "state": "dead"}, 2),
     ]
 
     listed = cli(backend, "audit", "--queue", queue_name, "--json")
     assert listed.exit_code == 0
     rows = json.loads(listed.stdout)
     assert [r["action"] for r in rows] == [e.action for e in reversed(found)]
-    assert rows[0]["source"] == "cli" and rows[0]["filter"] == {"prefix": "d/"} and rows[0]["count"] == 2
+    assert rows[0]["source"] == "cli" and rows[0]["filter"]["prefix"] == "d/" and rows[0]["count"] == 2
     dt.datetime.fromisoformat(rows[0]["at"])  # ISO 8601, as every --json time
     table = cli(backend, "audit", "--queue", queue_name, "--limit", "2")
     assert table.exit_code == 0 and "ACTOR" in table.stdout and "purge-all" in table.stdout
