@@ -189,9 +189,10 @@ async def topic(dash: Dashboard, request: Request) -> Response:
 
 async def workers(dash: Dashboard, request: Request) -> Response:
     found = await run_in_threadpool(_reads.workers, dash.where)
-    return dash.render(request, "workers.html", workers=[_reads.worker_row(w) for w in found])
+    rows, running = [_reads.worker_row(w) for w in found], _reads.running_rows(found)
+    return dash.render(request, "workers.html", workers=rows, running=running)
 
 
 async def workers_json(dash: Dashboard, request: Request) -> Response:
     found = await run_in_threadpool(_reads.workers, dash.where)
-    return json_response({"workers": [_reads.worker_row(w) for w in found]})
+    return json_response({"workers": [_reads.worker_row(w) for w in found], "running": _reads.running_rows(found)})

@@ -416,4 +416,26 @@ def worker_row(w: WorkerInfo) -> dict[str, Any]:
         "running_for": human(w.since),
         "heartbeat": f"{human(w.last_heartbeat)} ago",
         "driver": w.driver,
+        "running_now": len(w.running) if w.state == "running" else 0,
     }
+
+
+def running_rows(found: list[WorkerInfo]) -> list[dict[str, Any]]:
+    """What the running workers' handlers run, as of their last heartbeats, the longest-running first: the workers
+    page's drill-down (as Sidekiq's Busy page shows it). A gone worker's are not shown: they may have ended."""
+    rows = [
+        {
+            "worker_id": w.id,
+            "worker": f"{w.host}:{w.pid}",
+            "queue": r.queue,
+            "key": r.key,
+            "attempt": r.attempt,
+            "running_for": human(r.running_for),
+            "running_seconds": r.running_for.total_seconds(),
+            "topic": r.topic,
+        }
+        for w in found
+        if w.state == "running"
+        for r in w.running
+    ]
+    return sorted(rows, key=lambda r: -float(r["running_seconds"]))

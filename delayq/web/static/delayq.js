@@ -51,6 +51,40 @@
     }
   }
 
+  function running(jobs) {
+    // The workers page's "Running now": one row per job (as text: never HTML), a queue job's key linked.
+    const body = document.querySelector("#running-jobs tbody");
+    if (!body) return;
+    const base = document.body.dataset.base || "";
+    const rows = jobs.map((j) => {
+      const tr = document.createElement("tr");
+      tr.dataset.worker = j.worker_id;
+      ["worker", "queue", "key", "attempt", "running_for"].forEach((name) => {
+        const td = document.createElement("td");
+        if (name === "key" && !j.topic) {
+          const a = document.createElement("a");
+          a.href = base + "/message?" + new URLSearchParams({ queue: j.queue, key: j.key }).toString();
+          a.textContent = j.key;
+          td.appendChild(a);
+        } else {
+          td.textContent = String(j[name]);
+        }
+        if (name === "attempt" || name === "running_for") td.className = "num";
+        tr.appendChild(td);
+      });
+      return tr;
+    });
+    if (rows.length === 0) {
+      const tr = document.createElement("tr"), td = document.createElement("td");
+      td.colSpan = 5;
+      td.className = "muted";
+      td.textContent = "Nothing running.";
+      tr.appendChild(td);
+      rows.push(tr);
+    }
+    body.replaceChildren(...rows);
+  }
+
   function apply(panel, data) {
     if (data.queues) {
       data.queues.forEach((q) => {
@@ -70,7 +104,7 @@
         columns.forEach((name) => {
           const td = document.createElement("td");
           td.textContent = w[name] === null || w[name] === undefined ? "-" : String(w[name]);
-          if (name === "pid" || name === "slots" || name === "handled") td.className = "num";
+          if (name === "pid" || name === "slots" || name === "handled" || name === "running_now") td.className = "num";
           if (name === "state") td.dataset.field = "state";
           tr.appendChild(td);
         });
@@ -85,6 +119,7 @@
         rows.push(tr);
       }
       body.replaceChildren(...rows);
+      if (data.running) running(data.running);
     } else if (data.topics) {
       data.topics.forEach((t) => {
         const row = panel.querySelector('tr[data-topic="' + CSS.escape(t.topic) + '"]');
