@@ -25,7 +25,7 @@ from delayq.dialects import dialect_for
 from delayq.history import AttemptRecord
 from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
 from delayq.queue import At, DelayedQueue
-from delayq.queue._bulk import BULK_BATCH, BulkOutcome, Progress, Walk
+from delayq.queue._bulk import BULK_BATCH, BulkAction, BulkOutcome, Progress, Walk
 from delayq.queue._lifecycle import DEFAULT_RESULT_LIMIT
 from delayq.queue._queued import _timed_out, _wait_limit, _waited
 from delayq.schema import DEFAULT_PREFIX
@@ -461,12 +461,15 @@ class AsyncDelayedQueue:
         key_prefix: str | None = None,
         tag: str | None = None,
         at_most: int | None = None,
+        action: BulkAction | None = None,
         using: AsyncUsing = None,
     ) -> int:
         """How many rows the bulk actions' filter matches; see ``DelayedQueue.count_matching``."""
         return await self._run(
             using,
-            lambda u: self.sync.count_matching(state=state, key_prefix=key_prefix, tag=tag, at_most=at_most, using=u),
+            lambda u: self.sync.count_matching(
+                state=state, key_prefix=key_prefix, tag=tag, at_most=at_most, action=action, using=u
+            ),
         )
 
     async def _bulk(self, walk: Walk, progress: Progress | None, using: AsyncUsing) -> BulkOutcome:

@@ -18,7 +18,7 @@ import click
 from delayq.cli._common import Fail, audited, connect, friendly
 from delayq.cli._root import _noted, admin_queue, main, unknown_queue_note
 from delayq.queue import BulkOutcome, DelayedQueue, check_queue_name
-from delayq.queue._bulk import BULK_BATCH, MAX_BATCH, STATES, Progress
+from delayq.queue._bulk import BULK_BATCH, MAX_BATCH, STATES, BulkAction, Progress
 
 PURGE_STATES = tuple(s for s in STATES if s != "in-flight")
 """What ``delayq purge --state`` takes: every state but a running message's."""
@@ -47,6 +47,7 @@ def run(
     tag: str | None,
     yes: bool,
     audit: str,
+    counted: BulkAction,
     **chosen: object,
 ) -> None:
     """Count, confirm, act in batches and report: the one path of every bulk command (see the module)."""
@@ -55,7 +56,7 @@ def run(
     with connect(ctx) as (engine, conn):
         conn.rollback()  # hold nothing while the action runs on its own connections
         q = admin_queue(engine, ctx, queue)
-        n = q.count_matching(state=state, key_prefix=key_prefix, tag=tag)
+        n = q.count_matching(state=state, key_prefix=key_prefix, tag=tag, action=counted)
         if not n:
             note = _noted(unknown_queue_note(ctx, conn, queue))
             raise Fail(f"no {what.removesuffix('(s)')} of queue {queue!r}{described(state, key_prefix, tag)}{note}")
@@ -131,6 +132,7 @@ def purge(
         tag=tag,
         yes=yes,
         audit="purge-all",
+        counted="purge",
     )
 
 
@@ -147,7 +149,8 @@ def cancel_matching(
         key_prefix=key_prefix,
         tag=tag,
         yes=yes,
-        audit="cancel-all",
+        audit="cancel",
+        counted="cancel",
     )
 
 
@@ -167,11 +170,12 @@ def reschedule_matching(
         queue,
         "reschedule",
         lambda q, p: q.reschedule_matching(at, state=state, key_prefix=key_prefix, tag=tag, progress=p),
-        state=state or "all",
+        state=state,
         key_prefix=key_prefix,
         tag=tag,
         yes=yes,
-        audit="reschedule-all",
+        audit="reschedule",
+        counted="reschedule",
         due=due,
     )
 
@@ -196,5 +200,6 @@ def dead_matching(
         tag=tag,
         yes=yes,
         audit=f"{verb}-all",
+        counted="requeue" if verb == "requeue" else "purge",
         all=(key_prefix is None and tag is None) or None,
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -102,6 +102,35 @@ def _check(
         tag_pattern(tag)  # (raises on a bad tag)
     table = "dead" if state == "dead" else "kept" if state in KEPT_STATES else "live"
     return _Filter(table, state, prefix, tag)
+
+
+BulkAction = Literal["cancel", "reschedule", "requeue", "purge"]
+_TAKES: dict[str | None, tuple[tuple[str | None, ...], str]] = {
+    None: ((None, *STATES), ""),
+    "cancel": ((None, *LIVE_STATES), "{state} messages are not cancelled: purge them"),
+    "reschedule": (
+        (None, "ready", "scheduled", "expired-lock", "all"),
+        "running messages are not rescheduled in bulk (their handlers would lose their locks): cancel them",
+    ),
+    "requeue": (("dead",), "only dead letters are requeued"),
+    "purge": (
+        tuple(s for s in STATES if s != "in-flight"),
+        "running messages are not purged: cancel them (they are told), e.g. cancel_matching(state='in-flight')",
+    ),
+}
+"""What each bulk action (None: a count) takes as its state, and the line that refuses another known state."""
+_DEFAULT_STATE: dict[str | None, str] = {"reschedule": "all", "requeue": "dead"}
+"""The state an action's filter means when given none (the others: every live message)."""
+
+
+def _filter_for(action: str | None, state: str | None, key_prefix: str | None, tag: str | None) -> _Filter:
+    """The checked filter of ``action`` (None: a count of any state)."""
+    if action not in _TAKES:
+        raise InvalidInputError(
+            f"no such bulk action {str(action)[:40]!r}: use one of cancel, reschedule, requeue, purge"
+        )
+    allowed, refused = _TAKES[action]
+    return _check(state or _DEFAULT_STATE.get(action or ""), key_prefix, tag, allowed, refused.format(state=state))
 
 
 def _check_batch(batch_size: int) -> int:
@@ -277,7 +306,7 @@ class _Bulk(_Queued, _DeadLetters):
         return self._bulk(self._cancel_walk(state, key_prefix, tag, batch_size), progress, using)
 
     def _cancel_walk(self, state: str | None, key_prefix: str | None, tag: str | None, batch_size: int) -> Walk:
-        flt = _check(state, key_prefix, tag, (None, *LIVE_STATES), f"{state} messages are not cancelled: purge them")
+        flt = _filter_for("cancel", state, key_prefix, tag)
         return Walk(self, flt, self._cancel_rows, True, batch_size)
 
     def reschedule_matching(
@@ -299,9 +328,7 @@ class _Bulk(_Queued, _DeadLetters):
     def _reschedule_walk(
         self, at: At, state: str | None, key_prefix: str | None, tag: str | None, batch_size: int
     ) -> Walk:
-        refused = "running messages are not rescheduled in bulk (their handlers would lose their locks): cancel them"
-        flt = _check(state, key_prefix, tag, (None, "ready", "scheduled", "expired-lock", "all"), refused)
-        flt = _Filter(flt.table, flt.state or "all", flt.key_prefix, flt.tag)
+        flt = _filter_for("reschedule", state, key_prefix, tag)
         due_at, due_in = _due(at)
 
         def act(conn: Connection, dialect: Dialect, rows: list[Any]) -> int:
@@ -325,7 +352,7 @@ class _Bulk(_Queued, _DeadLetters):
         return self._bulk(self._requeue_walk(key_prefix, tag, batch_size), progress, using)
 
     def _requeue_walk(self, key_prefix: str | None, tag: str | None, batch_size: int) -> Walk:
-        flt = _check("dead", key_prefix, tag, ("dead",))
+        flt = _filter_for("requeue", None, key_prefix, tag)
 
         def act(conn: Connection, dialect: Dialect, rows: list[Any]) -> int:
             return sum(self._requeue_row(conn, dialect, r) for r in rows)  # (newest first within a key)
@@ -349,10 +376,7 @@ class _Bulk(_Queued, _DeadLetters):
         return self._bulk(self._purge_walk(state, key_prefix, tag, batch_size), progress, using)
 
     def _purge_walk(self, state: str, key_prefix: str | None, tag: str | None, batch_size: int) -> Walk:
-        refused = (
-            "running messages are not purged: cancel them (they are told), e.g. cancel_matching(state='in-flight')"
-        )
-        flt = _check(state, key_prefix, tag, tuple(s for s in STATES if s != "in-flight"), refused)
+        flt = _filter_for("purge", state, key_prefix, tag)
 
         def act(conn: Connection, dialect: Dialect, rows: list[Any]) -> int:
             conn.execute(self._statements(dialect).memo(_delete_ids, dialect, flt.table), {"ids": [r.id for r in rows]})
@@ -367,11 +391,14 @@ class _Bulk(_Queued, _DeadLetters):
         key_prefix: str | None = None,
         tag: str | None = None,
         at_most: int | None = None,
+        action: BulkAction | None = None,
         using: Using = None,
     ) -> int:
         """How many rows the bulk actions' filter matches (``state`` None: every live message), in one read; with
-        ``at_most``, reading at most that many (a confirmation's "at least")."""
-        flt = _check(state, key_prefix, tag, (None, *STATES))
+        ``at_most``, reading at most that many (a confirmation's "at least"). With ``action`` (``cancel``,
+        ``reschedule``, ``requeue``, ``purge``): what that action would act on now, its arguments checked as it
+        checks them (a state it refuses raises here too; no state means what it means to it)."""
+        flt = _filter_for(action, state, key_prefix, tag)
         if at_most is not None and (isinstance(at_most, bool) or not isinstance(at_most, int) or at_most < 0):
             raise InvalidInputError(f"at_most must be a whole number, zero or more, got {at_most!r}")
         params = {**flt.params(self.name), **self._now_param(), "at_most": at_most}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
@@ -21,21 +21,19 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from delayq import audit
-from delayq.browse import State, list_messages
 from delayq.errors import DelayqError, InvalidInputError
 from delayq.messages import CancelOutcome
-from delayq.queue import DelayedQueue, check_prefix, check_queue_name
+from delayq.queue import BulkOutcome, DelayedQueue, check_prefix, check_queue_name
+from delayq.queue._bulk import BulkAction
 from delayq.web import _csrf
 from delayq.web._auth import actor
 from delayq.web._reads import Where
 from delayq.web._render import Dashboard, base_path, notice
 
-BULK_PAGE = 500
-"""Dead letters read per page while a bulk requeue walks them."""
 MAX_PERIOD_S = 100 * 365 * 86400
 """The longest rate period the limits form takes (100 years, as a due time's reach)."""
 COUNT_SHOWN = 10_000
-"""A bulk confirmation counts the matching dead letters up to this many ("at least" beyond)."""
+"""A bulk confirmation counts the matching messages up to this many ("at least" beyond)."""
 
 
 async def act(dash: Dashboard, request: Request) -> Response:
@@ -54,7 +52,7 @@ async def act(dash: Dashboard, request: Request) -> Response:
     try:
         queue = check_queue_name(form.get("queue", ""))
         if name in BULK and form.get("confirmed") != "yes":
-            n, more = await run_in_threadpool(_count_dead, dash.where, queue, _prefix(form))
+            n, more = await run_in_threadpool(BULK[name], dash.where.queue(queue), form)
             back = _safe_target(request, form)
             return dash.render(request, "confirm.html", action=name, form=form, count=n, more=more, back=back)
         done = _done(await run_in_threadpool(action, dash.where.queue(queue), form, dash.where))
@@ -129,14 +127,20 @@ def _run_now(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     return _found(q.reschedule(key), f"{key}: due now", key)
 
 
-def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
-    key = _key(form)
+def _delay(form: dict[str, str]) -> float:
+    """The form's ``in_seconds``: from 0 to 100 years."""
     try:
         seconds = float(form.get("in_seconds", ""))
     except ValueError:
         raise InvalidInputError("give the delay in seconds, e.g. 300") from None
     if not 0 <= seconds <= 100 * 365 * 86400:
         raise InvalidInputError("the delay must be from 0 to 100 years")
+    return seconds
+
+
+def _reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
+    key = _key(form)
+    seconds = _delay(form)
     return _found(q.reschedule(key, dt.timedelta(seconds=seconds)), f"{key}: due in {seconds:g}s", key)
 
 
@@ -158,49 +162,74 @@ def _purge(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
     return Done(f"{key}: {n} dead letter(s) purged", n) if n else _found(False, "", key)
 
 
-def _dead_pages(where: Where, queue: str, prefix: str | None) -> Iterator[list[str]]:
-    """The keys of the matching dead letters, a page at a time, walked once by keyset (by id)."""
-    after: tuple[int, int, str] | None = None
-    while True:
-        with where.engine.connect() as conn:
-            found = list_messages(
-                conn,
-                where.tables,
-                queue,
-                state=State.DEAD,
-                now=dt.datetime.now(dt.UTC),  # (unused for dead letters)
-                key_prefix=prefix,
-                limit=BULK_PAGE,
-                after=after,
-            )
-            conn.rollback()
-        if not found:
-            return
-        yield [m.key for m in found]
-        after = found[-1].cursor
+def _filter(form: dict[str, str], default: str | None = None) -> tuple[str | None, str | None, str | None]:
+    """The queue page's filter in a form (``state``, ``prefix``, ``tag``; empty: none) as a bulk action's state,
+    key prefix and tag; an empty state is ``default``."""
+    return form.get("state") or default, _prefix(form), form.get("tag") or None
 
 
-def _count_dead(where: Where, queue: str, prefix: str | None) -> tuple[int, bool]:
-    """How many dead letters match (counted up to ``COUNT_SHOWN``), and whether more do."""
-    n = 0
-    for keys in _dead_pages(where, queue, prefix):
-        n += len(keys)
-        if n >= COUNT_SHOWN:
-            return n, True
-    return n, False
+def _counted(
+    q: DelayedQueue, action: BulkAction, state: str | None, key_prefix: str | None, tag: str | None
+) -> tuple[int, bool]:
+    """How many rows ``action`` would act on (read up to ``COUNT_SHOWN``), and whether more match."""
+    n = q.count_matching(state=state, key_prefix=key_prefix, tag=tag, at_most=COUNT_SHOWN + 1, action=action)
+    return min(n, COUNT_SHOWN), n > COUNT_SHOWN
 
 
-def _requeue_all(q: DelayedQueue, form: dict[str, str], where: Where) -> Done:
-    done = 0
-    for keys in _dead_pages(where, q.name, _prefix(form)):
-        done += sum(q.requeue_dead(k) for k in dict.fromkeys(keys))
-    return Done(f"{done} dead letter(s) requeued", done)
+def _said(outcome: BulkOutcome, what: str) -> Done:
+    """What the next page says of a bulk action: how many it did, and how many another transaction held."""
+    held = ""
+    if outcome.skipped:
+        held = f"; {outcome.skipped} skipped: another transaction held them (a claim under way?): run it again"
+    return Done(f"{outcome.done} {what}{held}", outcome.done)
+
+
+def _count_requeued(q: DelayedQueue, form: dict[str, str]) -> tuple[int, bool]:
+    return _counted(q, "requeue", "dead", _prefix(form), None)
+
+
+def _count_dead(q: DelayedQueue, form: dict[str, str]) -> tuple[int, bool]:
+    return _counted(q, "purge", "dead", _prefix(form), None)
+
+
+def _requeue_all(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
+    return _said(q.requeue_dead_matching(key_prefix=_prefix(form)), "dead letter(s) requeued")
 
 
 def _purge_all(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
-    prefix = _prefix(form)
-    n = q.purge_dead(key_prefix=prefix) if prefix else q.purge_dead(everything=True)
-    return Done(f"{n} dead letter(s) purged", n)
+    return _said(q.purge(state="dead", key_prefix=_prefix(form)), "dead letter(s) purged")
+
+
+def _count_cancelled(q: DelayedQueue, form: dict[str, str]) -> tuple[int, bool]:
+    return _counted(q, "cancel", *_filter(form))
+
+
+def _bulk_cancel(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
+    state, prefix, tag = _filter(form)
+    done = q.cancel_matching(state=state, key_prefix=prefix, tag=tag)
+    return _said(done, "message(s) cancelled (a running one's worker is told)")
+
+
+def _count_purged(q: DelayedQueue, form: dict[str, str]) -> tuple[int, bool]:
+    return _counted(q, "purge", *_filter(form, "all"))
+
+
+def _bulk_purge(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
+    state, prefix, tag = _filter(form, "all")
+    done = q.purge(state=state or "all", key_prefix=prefix, tag=tag)
+    return _said(done, "dead letter(s) purged" if state == "dead" else "message(s) purged")
+
+
+def _count_rescheduled(q: DelayedQueue, form: dict[str, str]) -> tuple[int, bool]:
+    _delay(form)
+    return _counted(q, "reschedule", *_filter(form))
+
+
+def _bulk_reschedule(q: DelayedQueue, form: dict[str, str], _: Where) -> Done:
+    seconds = _delay(form)
+    state, prefix, tag = _filter(form)
+    done = q.reschedule_matching(dt.timedelta(seconds=seconds), state=state, key_prefix=prefix, tag=tag)
+    return _said(done, f"message(s) due in {seconds:g}s")
 
 
 def _pause(q: DelayedQueue, form: dict[str, str], _: Where) -> str:
@@ -250,6 +279,18 @@ ACTIONS: dict[str, Action] = {
     "pause": _pause,
     "resume": _resume,
     "limits": _limits,
+    "bulk-cancel": _bulk_cancel,
+    "bulk-purge": _bulk_purge,
+    "bulk-reschedule": _bulk_reschedule,
 }
-BULK = {"requeue-all", "purge-all"}
-"""Actions on many dead letters: they answer a confirmation page first."""
+Count = Callable[[DelayedQueue, dict[str, str]], tuple[int, bool]]
+BULK: dict[str, Count] = {
+    "requeue-all": _count_requeued,
+    "purge-all": _count_dead,
+    "bulk-cancel": _count_cancelled,
+    "bulk-purge": _count_purged,
+    "bulk-reschedule": _count_rescheduled,
+}
+"""Actions on many messages (the dead letters, or the queue page's filter: state, key prefix, tag), each with how
+it counts what it would act on: they answer a confirmation page stating that count first, and act, in batches,
+once it is confirmed."""
