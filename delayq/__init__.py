@@ -18,7 +18,7 @@ from delayq.errors import (
 )
 from delayq.handler import DeadLetter, Handler, Retry
 from delayq.messages import CancelOutcome, DeadMessage, Delivery, FlowState, Message, OfferOutcome, QueueStats
-from delayq.queue import DelayedQueue
+from delayq.queue import BulkOutcome, DelayedQueue
 from delayq.retry import RetryPolicy
 from delayq.serializers import BytesSerializer, JsonSerializer, Serializer, TextSerializer
 from delayq.topics import LeaseLostError, Subscription, Topic, TopicDelivery, TopicHandler
@@ -26,6 +26,7 @@ from delayq.transactions import TransientRetry
 from delayq.worker import Worker, WorkerHealth
 
 __all__ = [
+    "BulkOutcome",
     "BytesSerializer",
     "CancelOutcome",
     "Clock",

@@ -7,6 +7,7 @@ import inspect
 import delayq
 
 EXPECTED = {
+    "BulkOutcome",
     "BytesSerializer",
     "CancelOutcome",
     "Clock",
