@@ -36,9 +36,12 @@ def _read(
 
 
 async def page(dash: Dashboard, request: Request) -> Response:
-    params = request.query_params
-    chosen = {name: params.get(name, "") for name in ("queue", "action", "actor")}
-    before = _before(params.get("before", ""))
+    chosen = {
+        "queue": request.query_params.get("queue", ""),
+        "action": request.query_params.get("action", ""),
+        "actor": request.query_params.get("actor", ""),
+    }
+    before = _before(request.query_params.get("before", ""))
     found = await run_in_threadpool(
         _read, dash.where, chosen["queue"] or None, chosen["action"] or None, chosen["actor"] or None, before
     )
