@@ -6,6 +6,7 @@ queue's own reads with both APIs."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import os
@@ -19,11 +20,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
-from conftest import Backend
+from conftest import Backend, make_async_engine
 
 from delayq import DelayedQueue, Delivery, Handler, Worker
+from delayq.browse import State, database_now, list_messages
 from delayq.cli import main
 from delayq.runtime import _registry
+from delayq.schema import make_tables
 from delayq.web import app
 
 with warnings.catch_warnings():  # (Starlette 1.x prefers httpx2 under its TestClient; httpx works)
@@ -233,3 +236,46 @@ def test_the_message_page_of_an_in_flight_job_names_the_worker_running_it(
     finally:
         release.set()
         assert worker.stop()
+
+
+def test_listings_ls_json_and_show_carry_a_live_messages_priority_and_group(backend: Backend, queue_name: str) -> None:
+    q = DelayedQueue(backend.engine, queue_name, retention=HOUR)
+    q.offer("a", 1, priority=4, group="g1")
+    q.offer("b", 2)
+    q.offer("c", 3, priority=9, group="g2", at=dt.timedelta(seconds=-1))
+    [done] = [d for d in q.try_poll_many(3) if d.key == "c"]
+    assert done.ack(result="ok")
+    with backend.engine.connect() as conn:
+        now = database_now(conn)
+        live = list_messages(conn, make_tables(), queue_name, state=None, now=now)
+        kept = list_messages(conn, make_tables(), queue_name, state=State.COMPLETED, now=now)
+    assert sorted((m.key, m.priority, m.group) for m in live) == [("a", 4, "g1"), ("b", 0, None)]
+    assert [(m.key, m.priority, m.group) for m in kept] == [("c", None, None)]
+
+    async def listed_async() -> list[tuple[str, int | None, str | None]]:
+        from delayq.aio import browse as aio_browse
+
+        engine = make_async_engine(backend.url)
+        try:
+            async with engine.connect() as conn:
+                found = await aio_browse.list_messages(conn, make_tables(), queue_name, state=None, now=now)
+        finally:
+            await engine.dispose()
+        return sorted((m.key, m.priority, m.group) for m in found)
+
+    assert asyncio.run(listed_async()) == [("a", 4, "g1"), ("b", 0, None)]
+
+    runner = CliRunner()
+    listing = runner.invoke(main, ["--url", backend.url, "ls", queue_name, "--json"])
+    assert listing.exit_code == 0, listing.output
+    assert sorted((r["key"], r["priority"], r["group"]) for r in json.loads(listing.output)) == [
+        ("a", 4, "g1"),
+        ("b", 0, None),
+    ]
+    shown = runner.invoke(main, ["--url", backend.url, "show", queue_name, "a"])
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"^\s*priority: 4$", shown.output, re.M) and re.search(r"^\s*group: g1$", shown.output, re.M)
+    finished = runner.invoke(main, ["--url", backend.url, "show", queue_name, "c"]).output
+    assert re.search(r"^\s*priority: \(not recorded\)$", finished, re.M), finished
+    [as_json] = json.loads(runner.invoke(main, ["--url", backend.url, "show", queue_name, "c", "--json"]).output)
+    assert (as_json["state"], as_json["priority"], as_json["group"]) == ("completed", None, None)
