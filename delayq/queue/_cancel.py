@@ -5,7 +5,7 @@ unexpired). When it deletes nothing, one transaction reads the message ``FOR UPD
 copied into ``finished`` with state ``CANCELLED`` and deleted, and on PostgreSQL a NOTIFY on the cancel channel
 (``{messages}_cancel``, payload the message's id) tells the worker holding it when the transaction commits.
 Elsewhere that worker learns it at its next heartbeat, which finds the lock gone (or at the ack of a handler that
-returned first), and tells the cancel from a lost lock by the cancelled record (``cancelled_while_held``). Its
+returned first), and tells the cancel from a lost lock by the cancelled record (``cancelled_records``). Its
 handler's later ack, retry or dead letter change nothing: each is a compare-and-swap on the lock token of a row
 that no longer exists.
 """
@@ -13,20 +13,15 @@ that no longer exists.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
 from delayq.clock import to_ms
-from delayq.dialects import Dialect, Statements
+from delayq.dialects import Statements
 from delayq.queue._lifecycle import CANCELLED, COMPLETED
 from delayq.queue._tokens import claimed_at
-
-if TYPE_CHECKING:
-    from delayq.messages import Delivery
-    from delayq.queue._base import _QueueBase
 
 FINISHED_COMPLETED = COMPLETED
 """``finished.state`` of a completed message (``delayq.queue._lifecycle``)."""
@@ -133,19 +128,3 @@ def cancelled_records(stmts: Statements) -> sa.Select[Any]:
         f.c.key.in_(sa.bindparam("keys", expanding=True)),
         f.c.state == FINISHED_CANCELLED,
     )
-
-
-def cancelled_while_held(queue: _QueueBase, deliveries: Sequence[Delivery]) -> set[int]:
-    """The ids of ``deliveries`` (of ``queue``, found without their lock) whose message ``cancel_job`` recorded as
-    cancelled at their attempt: a cancel, not a lost lock. One read, in delayq's own transaction."""
-    keys = sorted({d.key for d in deliveries})
-    if not keys:
-        return set()
-    params = {"queue_name": queue.name, "keys": keys}
-
-    def op(conn: sa.Connection, dialect: Dialect) -> set[tuple[str, int, int]]:
-        rows = conn.execute(queue._statements(dialect).memo(cancelled_records), params)
-        return {(r.key, int(r.created_at), int(r.attempts)) for r in rows}
-
-    found = queue._runner.run(None, op, "read")
-    return {d.id for d in deliveries if (d.key, to_ms(d.created_at), d.attempts) in found}

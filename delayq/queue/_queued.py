@@ -24,7 +24,7 @@ from delayq.dialects.base import (
 )
 from delayq.errors import InvalidInputError, UnknownMessageError
 from delayq.humanize import exact
-from delayq.messages import CancelOutcome, Message, QueueStats
+from delayq.messages import CancelOutcome, Delivery, Message, QueueStats
 from delayq.queue import _cancel as cancel_sql
 from delayq.queue._base import _QueueBase
 from delayq.queue._cancel import DEFAULT_CANCELLED_RETENTION
@@ -205,6 +205,21 @@ class _Queued(_QueueBase):
         if self.lifecycle.keeps:
             return self.lifecycle.retention_ms
         return int(DEFAULT_CANCELLED_RETENTION.total_seconds() * 1000)
+
+    def _cancelled_among(self, deliveries: Sequence[Delivery]) -> set[int]:
+        """The ids of ``deliveries`` (found without their lock by the worker holding them) whose message
+        ``cancel_job`` recorded as cancelled at their attempt: a cancel, not a lost lock. One read."""
+        keys = sorted({d.key for d in deliveries})
+        if not keys:
+            return set()
+        params = {"queue_name": self.name, "keys": keys}
+
+        def op(conn: Connection, dialect: Dialect) -> set[tuple[str, int, int]]:
+            rows = conn.execute(self._statements(dialect).memo(cancel_sql.cancelled_records), params)
+            return {(r.key, int(r.created_at), int(r.attempts)) for r in rows}
+
+        found = self._runner.run(None, op, "read")
+        return {d.id for d in deliveries if (d.key, to_ms(d.created_at), d.attempts) in found}
 
     def reschedule(self, key: str, at: At = None, *, using: Using = None) -> bool:
         """Make the message under ``key`` due at ``at`` (clearing any consumer's lock on it).

@@ -24,7 +24,6 @@ from delayq.handler import Handler
 from delayq.humanize import human
 from delayq.messages import Delivery
 from delayq.queue import DelayedQueue
-from delayq.queue._cancel import cancelled_while_held
 
 log = logging.getLogger("delayq.worker")
 
@@ -358,7 +357,7 @@ def cancels_among(queue: DelayedQueue, deliveries: Sequence[Delivery]) -> set[in
     if not deliveries:
         return set()
     try:
-        cancelled = cancelled_while_held(queue, deliveries)
+        cancelled = queue._cancelled_among(deliveries)
     except Exception as exc:
         log.info("queue %s: could not read which lost locks were cancels (%s)", queue.name, describe(exc))
         return set()
