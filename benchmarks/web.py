@@ -1,8 +1,10 @@
-"""The dashboard's page loads over a big queue: ``python -m benchmarks --web`` (1,000,000 messages on
-PostgreSQL; ``--web 20000`` for a smoke run, ``--backends sqlite`` or ``mysql`` for another backend).
+"""The dashboard's page loads over a big queue: ``python -m benchmarks --web`` (1,000,000 live and 1,000,000
+kept messages on PostgreSQL; ``--web 20000`` for a smoke run, ``--backends sqlite`` or ``mysql`` for another
+backend).
 
-One queue (``web-bench``) holds the messages: most scheduled over the next days, a fifth due (ready),
-some held by a claim, and dead letters with a real traceback; ten small queues beside it. The dashboard
+One queue (``web-bench``) holds the live messages: most scheduled over the next days, a fifth due (ready),
+some held by a claim, and dead letters with a real traceback; another (``web-bench-kept``) as many kept
+ones, a tenth cancelled and the rest completed with a result, each tagged; ten small queues beside them. The dashboard
 (``delayq.web.app``) is served by uvicorn on 127.0.0.1 and loaded over HTTP by one client, one request at
 a time: each page ``WARMUP`` times, then ``LOADS`` times, reporting p50, p95 and the slowest. The queue
 is filled once (a rerun on the same database finds it full and only measures). Tables use ``bench_``.
@@ -23,6 +25,8 @@ import sqlalchemy as sa
 from delayq import DelayedQueue, migrations
 
 QUEUE = "web-bench"
+KEPT = "web-bench-kept"
+RETENTION = dt.timedelta(days=30)
 CHUNK = 5_000
 WARMUP = 3
 LOADS = 40
@@ -71,6 +75,28 @@ def fill(engine: sa.Engine, prefix: str, total: int) -> None:
     print(f"filled {total:,} messages in {time.monotonic() - started:.0f}s", flush=True)
 
 
+def fill_kept(engine: sa.Engine, prefix: str, total: int) -> None:
+    """``total`` kept messages in ``KEPT`` (unless it holds them): offered due, a tenth cancelled while queued,
+    the rest claimed and acked by the batch API with a result (the way a worker keeps them)."""
+    q = DelayedQueue(engine, KEPT, table_prefix=prefix, retention=RETENTION)
+    s = q.stats()
+    if (s.completed or 0) + (s.cancelled or 0) >= total:
+        print(f"{KEPT}: {(s.completed or 0) + (s.cancelled or 0):,} kept messages already", flush=True)
+        return
+    started = time.monotonic()
+    for start in range(0, total, CHUNK):
+        items = [(f"job/{i:08d}", {"job": i, "note": "y" * 40}, None) for i in range(start, min(start + CHUNK, total))]
+        q.offer_many(items, tags=["nightly" if start % (2 * CHUNK) else "hourly"])
+        q.cancel_matching(key_prefix=f"job/{start:08d}"[:-3] + "9")  # (a tenth of the chunk: keys ...9xxx)
+        while held := q.try_poll_many(1000):
+            for d in held:
+                d._finished_with({"job": d.key, "ok": True}, dt.timedelta(milliseconds=d.attempts * 7))
+            q.ack_many(held)
+        if (start // CHUNK) % 40 == 0:
+            print(f"  kept {start + len(items):>9,} of {total:,}", flush=True)
+    print(f"kept {total:,} messages in {time.monotonic() - started:.0f}s", flush=True)
+
+
 def _due(i: int, due: int) -> dt.timedelta:
     if i < due:
         return dt.timedelta(seconds=-60 + i % 60)
@@ -97,6 +123,15 @@ def _pages(base: str, client: object, total: int) -> list[tuple[str, str]]:
         ("message", f"/message?queue={QUEUE}&key=order/{total // 2:08d}"),
         ("dead letters", f"/dead?queue={QUEUE}"),
         ("workers (HTML)", "/workers"),
+        ("kept, completed, first page", f"/queue?queue={KEPT}&state=completed"),
+        ("kept, cancelled, first page", f"/queue?queue={KEPT}&state=cancelled"),
+        ("kept, completed, key prefix", f"/queue?queue={KEPT}&state=completed&prefix=job/0050"),
+        ("kept, completed, tag", f"/queue?queue={KEPT}&state=completed&tag=nightly"),
+        ("kept message (result)", f"/message?queue={KEPT}&key=job/{total // 2 + 1:08d}"),
+        ("search, key prefix, all queues", "/search?prefix=job/0050"),
+        ("search, tag, completed", "/search?tag=hourly&state=completed"),
+        ("audit", "/audit"),
+        ("history (24 h chart)", f"/history?queue={KEPT}&hours=24"),
     ]
 
 
@@ -108,12 +143,13 @@ def run(engine: sa.Engine, prefix: str, total: int) -> list[Load]:
 
     migrations.upgrade(engine.url.render_as_string(hide_password=False), prefix=prefix)
     fill(engine, prefix, total)
+    fill_kept(engine, prefix, total)
     if engine.dialect.name != "sqlite":
         with engine.connect() as conn:  # (what autovacuum does after a bulk load)
             conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
-                f"ANALYZE {prefix}messages"
+                f"ANALYZE {prefix}messages, {prefix}finished"
                 if engine.dialect.name == "postgresql"
-                else f"ANALYZE TABLE {prefix}messages"
+                else f"ANALYZE TABLE {prefix}messages, {prefix}finished"
             )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
