@@ -32,12 +32,11 @@ OUTCOMES = (("processed", "processed"), ("failed", "failed"), ("dead_lettered", 
 
 def _asked(request: Request) -> tuple[str | None, int]:
     """The queue (absent: every queue) and the hours (1 to 24, 24 by default) asked for; one line when bad."""
-    params = request.query_params
-    queue = check_queue_name(params["queue"]) if "queue" in params else None
-    text = params.get("hours", str(MAX_HOURS))
+    queue = request.query_params.get("queue")
+    text = request.query_params.get("hours", str(MAX_HOURS))
     if not (len(text) <= 2 and text.isascii() and text.isdecimal() and 1 <= int(text) <= MAX_HOURS):
         raise InvalidInputError(f"hours must be a whole number from 1 to {MAX_HOURS}")
-    return queue, int(text)
+    return None if queue is None else check_queue_name(queue), int(text)
 
 
 def _read(where: Where, queue: str | None, hours: int) -> QueueHistory:
