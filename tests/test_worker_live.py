@@ -168,3 +168,56 @@ def test_a_beat_is_one_update_and_one_upsert_only_with_outcomes_to_add(
     beat_now(r, 0, 3)  # nothing counted since
     assert [s for s in statements if s not in ("BEGIN", "COMMIT", "SET")] == ["UPDATE"]
     r.stop(3)
+
+
+@pytest.mark.slow
+def test_in_chromium_the_workers_page_lists_what_runs_and_the_queue_page_draws_its_history(
+    backend: Backend, queue_name: str, clock: ManualClock
+) -> None:
+    """The workers panel's poll fills Running now (no reload); the queue page's script loads the history chart,
+    whose bars hover their counts."""
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/test --full does)")
+    from playwright.sync_api import sync_playwright
+    from test_web_browser import CHROMIUM, Served
+
+    engine = backend.engine
+    history = Registry(
+        engine, TABLES, name="hist", driver="threads", queues=[queue_name], topics=[], slots=1, clock=clock
+    )
+    history.start(0, 0)
+    history.tally.count("acked", queue_name, 12)
+    history.tally.count("dead_lettered", queue_name, 2)
+    history.stop(12)
+    started, release = threading.Event(), threading.Event()
+
+    class Waits(Handler):
+        queue = queue_name
+
+        def handle(self, delivery: Delivery) -> None:
+            started.set()
+            release.wait(60)
+
+    worker = Worker(engine, [Waits()], poll_interval=FAST, listen=False, clock=clock)
+    try:
+        with sync_playwright() as p, Served(engine, refresh=0.3) as served:
+            browser = p.chromium.launch(executable_path=CHROMIUM)
+            page = browser.new_page()
+            page.goto(f"{served.url}/workers")
+            assert page.locator("#running-jobs").inner_text().count("Nothing running") == 1
+            DelayedQueue(engine, queue_name, clock=clock).offer("live-1", 1)
+            worker.start()
+            assert started.wait(30)
+            beat_now(worker._core.registry, 1)
+            row = page.locator(f'#running-jobs tr[data-runs-on="{worker._core.registry.id}"]')
+            row.wait_for()  # the panel's poll brought it
+            assert "live-1" in row.inner_text() and queue_name in row.inner_text()
+            assert row.locator("a").get_attribute("href") == f"/message?queue={queue_name}&key=live-1"
+            page.goto(f"{served.url}/queue?queue={queue_name}")
+            page.wait_for_selector(".history .history-chart svg g.bar")  # the script loaded the chart
+            chart = page.locator(".history-chart")
+            assert "messages per 5 min" in chart.inner_text() and "Totals: processed 12" in chart.inner_text()
+            assert "processed 12, failed 0, dead-lettered 2" in chart.locator("g.bar title").first.text_content()
+            browser.close()
+    finally:
+        release.set()
+        assert worker.stop()

@@ -58,7 +58,7 @@
     const base = document.body.dataset.base || "";
     const rows = jobs.map((j) => {
       const tr = document.createElement("tr");
-      tr.dataset.worker = j.worker_id;
+      tr.dataset.runsOn = j.worker_id;
       ["worker", "queue", "key", "attempt", "running_for"].forEach((name) => {
         const td = document.createElement("td");
         if (name === "key" && !j.topic) {
