@@ -103,8 +103,10 @@ class AsyncWorker:
         concurrency, poll_interval, shutdown_timeout, clock, table_prefix, schema, listen,
             stall_timeout: as for ``Worker`` (the same defaults).
         transient_retry: how the handlers' ``AsyncDelivery`` operations (and their queues')
-            retry delayq's own transactions. The worker's own calls are not retried in place:
-            its loops back off and go on, as the threaded worker's do.
+            retry delayq's own transactions. The worker's claims, extensions and acks are not
+            retried in place: its loops back off and go on. Its chores (the pruner, the topic
+            consumers and garbage collector) retry as the sync core does, pausing with
+            ``asyncio.sleep`` (``delayq.transactions``): never blocking the loop.
 
     Use ``await worker.run()`` (SIGINT/SIGTERM stop it when run in the main thread),
     ``worker.start()`` + ``await worker.stop()`` inside an application, or
