@@ -350,3 +350,33 @@ def test_delayq_history_prints_the_minutes(
     assert f"{t0:%H:%M}" in text.output and "total" in text.output
     bad = CliRunner().invoke(main, ["--url", backend.url, "history", queue_name, "--last", "2d"])
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "--last 2d" in bad.output
+
+
+ADDING_UPSERT = {
+    "postgresql": "ON CONFLICT (queue, minute) DO UPDATE SET processed = (delayq_queue_history.processed + "
+    "excluded.processed), failed = (delayq_queue_history.failed + excluded.failed), dead_lettered = "
+    "(delayq_queue_history.dead_lettered + excluded.dead_lettered)",
+    "sqlite": "ON CONFLICT (queue, minute) DO UPDATE SET processed = (delayq_queue_history.processed + "
+    "excluded.processed), failed = (delayq_queue_history.failed + excluded.failed), dead_lettered = "
+    "(delayq_queue_history.dead_lettered + excluded.dead_lettered)",
+    "mysql": "ON DUPLICATE KEY UPDATE processed = (delayq_queue_history.processed + VALUES(processed)), failed = "
+    "(delayq_queue_history.failed + VALUES(failed)), dead_lettered = (delayq_queue_history.dead_lettered + "
+    "VALUES(dead_lettered))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADDING_UPSERT))
+def test_the_adding_upsert_is_pinned(name: str) -> None:
+    """Compiled only (no database): a minute's row takes what a beat adds, on each backend's upsert."""
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    from delayq.dialects import dialect_class
+
+    sa_dialect = {"postgresql": postgresql.dialect(), "mysql": mysql.dialect(), "sqlite": sqlite.dialect()}[name]
+    upsert = dialect_class(name)(sa_dialect).adding_upsert(
+        TABLES.queue_history, ["queue", "minute"], ["processed", "failed", "dead_lettered"]
+    )
+    rows = [{"queue": q, "minute": 0, "processed": 1, "failed": 0, "dead_lettered": 0} for q in ("a", "b")]
+    text = re.sub(r"\s+", " ", str(upsert.values(rows).compile(dialect=sa_dialect)))
+    assert text.count("VALUES (") == 1 and text.count("), (") == 1  # one statement, a row per queue
+    assert text.endswith(ADDING_UPSERT[name])
