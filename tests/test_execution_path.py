@@ -52,6 +52,7 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_cancel",  # the worker tells a delivery its message was cancelled (or its lock lost): Delivery.cancelled
         "_cancelled",  # the delivery log reads whether it was, without making the event (observe.outcome)
         "_cancelled_among",  # the worker tells a cancel from a lost lock by the message's cancelled record
+        "_tally",  # the worker's queues count their outcomes in its tally (the queue history: runtime._registry)
         # public APIs spelled with an underscore: named tuples, Row, os
         "_make",
         "_asdict",
