@@ -15,7 +15,8 @@ __all__ = ["list_messages", "list_workers", "queue_history", "queue_names", "sea
 
 
 async def queue_names(conn: AsyncConnection, tables: Tables) -> list[str]:
-    """Every queue with live messages or dead letters."""
+    """Every queue the database knows of (messages, dead letters, kept ones, a schedule, a pause or a limit); see
+    ``delayq.browse.queue_names``."""
     return await conn.run_sync(browse.queue_names, tables)
 
 
