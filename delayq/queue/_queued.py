@@ -31,7 +31,6 @@ from delayq.queue._cancel import DEFAULT_CANCELLED_RETENTION
 from delayq.queue._checks import At, _due, check_key, check_prefix
 from delayq.queue._history import statements as history_sql
 from delayq.queue._lifecycle import STATE_NAMES, lifecycle_sql
-from delayq.queue._tokens import claimed_at
 from delayq.tags import decode_tags, tag_pattern
 from delayq.transactions import Using
 
@@ -176,13 +175,10 @@ class _Queued(_QueueBase):
             row = conn.execute(cs.lock_by_key, params).first()
             if row is None:
                 return CancelOutcome.NOT_FOUND
-            running = row.lock_token is not None and int(row.scheduled_at) > int(row.now)
+            running = cancel_sql.running(row)
             if running or keeps:
-                claimed = claimed_at(row.lock_token) if running else None
-                took = None if claimed is None else max(0, int(row.now) - to_ms(claimed))
                 kept = self._cancelled_retention_ms() if keep_ms is None else keep_ms
-                finished = cancel_sql.finished_row(row, cancel_sql.FINISHED_CANCELLED, kept, took)
-                conn.execute(cs.insert_finished, finished)
+                conn.execute(cs.insert_finished, cancel_sql.cancelled_row(row, kept))
                 ls = lifecycle_sql(self._statements(dialect), dialect)
                 if ls.notify is not None and self.notify:  # (``wait(key)`` hears it finished)
                     conn.execute(ls.notify, {"queue_name": self.name})
