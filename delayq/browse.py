@@ -93,11 +93,14 @@ class StoredMessage:
     tags: tuple[str, ...] = ()
     """The tags its offer gave it (``delayq.tags``)."""
     priority: int | None = None
-    """A live message's priority (``offer(priority=)``, 0 unless set); None for a dead letter or a kept message:
-    they do not record it."""
+    """Its priority (``offer(priority=)``, 0 unless set); a dead letter's or a kept message's as it was when it
+    finished (None: not recorded, in a row kept before delayq_0013)."""
     group: str | None = None
-    """A live message's group (``offer(group=)``), None when it has none; None for a dead letter or a kept
-    message, as ``priority``."""
+    """Its group (``offer(group=)``), None when it has none (or not recorded, as ``priority``)."""
+    worker: str | None = None
+    """A dead letter's or a kept message's worker: the registry id (``WorkerInfo.id``) of the worker whose ack or
+    dead letter finished it; None for one finished outside a worker or cancelled, and for a live message (an
+    in-flight one's worker is in the registry's heartbeat: ``WorkerInfo.running``)."""
 
     def running_for(self, now: dt.datetime) -> dt.timedelta | None:
         """How long an in-flight message's handler has run (since its claim); None for any other state."""
@@ -124,6 +127,7 @@ class StoredMessage:
             "tags": list(self.tags),
             "priority": self.priority,
             "group": self.group,
+            "worker": self.worker,
         }
 
 
@@ -212,6 +216,7 @@ def list_messages(
             tags=decode_tags(r.tags),
             priority=None if r.priority is None else int(r.priority),
             group=r.group_key,
+            worker=r.worker,
         )
         for r in rows
     ]

@@ -83,10 +83,13 @@ class Message:
     tags: tuple[str, ...] = ()
     """The tags its offer gave it, sorted (``delayq.tags``)."""
     priority: int | None = None
-    """Its priority (``offer(priority=)``, 0 unless set; higher is claimed first); None once kept (``completed``,
-    ``cancelled``, ``dead``): finished rows and dead letters do not record it."""
+    """Its priority (``offer(priority=)``, 0 unless set; higher is claimed first); once kept (``completed``,
+    ``cancelled``, ``dead``), as it was when it finished: None in a row kept before delayq_0013 (not recorded)."""
     group: str | None = None
-    """Its group (``offer(group=)``), None when it has none; None once kept, as ``priority``."""
+    """Its group (``offer(group=)``), None when it has none (or in a row kept before delayq_0013)."""
+    worker: str | None = None
+    """Once kept: the registry id of the worker whose ack or dead letter finished it (``delayq workers``,
+    ``browse.WorkerInfo.id``); None for an outcome recorded outside a worker, a cancel, or while live."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,12 @@ class DeadMessage:
     """Its failed attempts, oldest first, the one that dead-lettered it last (bounded)."""
     tags: tuple[str, ...] = ()
     """The tags its offer gave it, sorted (``delayq.tags``)."""
+    priority: int | None = None
+    """Its priority when it was dead-lettered (None: not recorded, before delayq_0013)."""
+    group: str | None = None
+    """Its group when it was dead-lettered (None: it had none, or not recorded)."""
+    worker: str | None = None
+    """The registry id of the worker that dead-lettered it; None outside a worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +234,9 @@ class Delivery:
     """The message's priority (``offer(priority=)``; higher is claimed first); read with the claim."""
     group: str | None = None
     """The message's group (``offer(group=)``), None when it has none; read with the claim."""
+    _worker_id: str | None = field(default=None, repr=False)
+    """The registry id of the worker whose claim this is (None outside a worker): the kept row of its outcome
+    records it."""
 
     @property
     def tags(self) -> tuple[str, ...]:

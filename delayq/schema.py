@@ -71,6 +71,18 @@ def _message_columns() -> list[sa.Column[Any]]:
     ]
 
 
+def _origin_columns() -> list[sa.Column[Any]]:
+    """What a kept row (dead letter, finished message) keeps of where it came from (delayq_0013): the live row's
+    priority and group, and the registry id (``{prefix}workers.id``) of the worker that recorded its outcome;
+    NULL in rows kept before, and ``worker`` NULL for an outcome recorded outside a worker (new objects for each
+    table)."""
+    return [
+        sa.Column("priority", sa.SmallInteger, nullable=True),
+        sa.Column("group_key", name_type(MAX_KEY_LENGTH), nullable=True),
+        sa.Column("worker", sa.String(36), nullable=True),
+    ]
+
+
 MAX_PREFIX_LENGTH = 63 - len("dead_letters_queue_key_ix")
 """The longest table prefix: its longest derived name (an index) must fit in 63 characters."""
 
@@ -139,6 +151,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("failed_at", sa.BigInteger, nullable=False),
         sa.Column("tags", sa.Text, nullable=True),
         sa.Column("expires_at", sa.BigInteger, nullable=True),
+        *_origin_columns(),
         sa.Index(f"{prefix}dead_letters_queue_key_ix", "queue", "key"),
         sa.Index(f"{prefix}dead_letters_expires_ix", "expires_at"),
         sa.Index(f"{prefix}dead_letters_failed_ix", "queue", "failed_at"),
@@ -199,6 +212,7 @@ def make_tables(prefix: str = DEFAULT_PREFIX, schema: str | None = None) -> Tabl
         sa.Column("result", Payload, nullable=True),
         sa.Column("result_type", sa.String(100), nullable=True),
         sa.Column("expires_at", sa.BigInteger, nullable=False),
+        *_origin_columns(),
         sa.Index(f"{prefix}finished_queue_key_ix", "queue", "key", "finished_at"),
         sa.Index(f"{prefix}finished_state_ix", "queue", "state", "finished_at", "id"),
         sa.Index(f"{prefix}finished_expires_ix", "expires_at"),

@@ -53,6 +53,7 @@ def test_the_package_uses_no_private_attribute_of_sqlalchemy() -> None:
         "_cancelled",  # the delivery log reads whether it was, without making the event (observe.outcome)
         "_cancelled_among",  # the worker tells a cancel from a lost lock by the message's cancelled record
         "_tally",  # the worker's queues count their outcomes in its tally (the queue history: runtime._registry)
+        "_worker_id",  # a worker's queue stamps its claims with the worker's registry id; their kept rows record it
         "_statements",  # the bulk actions (delayq/queue/_bulk.py) build on the queue's statements and clock
         "_now_param",
         "_cancel_walk",  # AsyncDelayedQueue runs the bulk actions' batches, one transaction each, as the sync

@@ -524,7 +524,8 @@ class Dialect:
         statement, where the backend can; how many. None where it cannot: the caller runs the shared shape
         (SELECT … FOR UPDATE, INSERT, DELETE; ``delayq.queue._lifecycle``). ``params`` also binds, per delivery,
         ``keep_ids``, ``keep_durations``, ``keep_results``, ``keep_result_types`` (arrays), and
-        ``retention_ms`` and ``queue_name``. ``only_unique``: only messages offered with ``unique_for``;
+        ``retention_ms``, ``queue_name`` and ``worker`` (the registry id each row records, or None). Each row keeps
+        its message's priority and group. ``only_unique``: only messages offered with ``unique_for``;
         ``notify``: wake waiters (``notify_channel`` on the finished table)."""
         return None
 

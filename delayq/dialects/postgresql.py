@@ -416,6 +416,8 @@ def _keep_held_statement(stmts: Statements, skip_locked: bool, only_unique: bool
         "attempt_history",
         "headers",
         "tags",
+        "priority",
+        "group_key",
     ]
     gone = (
         sa.delete(m)
@@ -439,8 +441,9 @@ def _keep_held_statement(stmts: Statements, skip_locked: bool, only_unique: bool
         extra.c.keep_results,
         extra.c.keep_result_types,
         (now + sa.func.greatest(retention, sa.func.coalesce(gone.c.unique_for_ms, 0))).label("expires_at"),
+        sa.bindparam("worker", type_=sa.String).label("worker"),
     ).select_from(gone.outerjoin(extra, extra.c.keep_ids == gone.c.id))
-    into = [*kept_columns, "state", "finished_at", "duration_ms", "result", "result_type", "expires_at"]
+    into = [*kept_columns, "state", "finished_at", "duration_ms", "result", "result_type", "expires_at", "worker"]
     kept = sa.insert(fin).from_select(into, rows).returning(fin.c.id).cte("kept")
     count = sa.select(sa.func.count()).select_from(kept).scalar_subquery().label("kept")
     if notify:

@@ -69,6 +69,9 @@ class _QueueBase:
         """The token of the claim under way, or of the last one whose reply never came (``_give_back``)."""
         self._tally: Callable[[observe.Event, str, int], None] | None = None
         """On a worker's queue, its outcome counter (``delayq.runtime._registry.Tally.count``): the queue history."""
+        self._worker_id: str | None = None
+        """On a worker's queue, the worker's registry id: its claims' deliveries carry it, and the kept rows their
+        outcomes write record it (``finished.worker``, ``dead_letters.worker``)."""
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, {self.engine.url.render_as_string(hide_password=True)!r})"

@@ -61,6 +61,8 @@ def statements(stmts: Statements) -> CancelStatements:
             m.c.attempt_history,
             m.c.headers,
             m.c.tags,
+            m.c.priority,
+            m.c.group_key,
             m.c.lock_token,
             stmts.now.label("now"),
         )
@@ -116,6 +118,9 @@ def finished_row(row: Any, state: int, keep_ms: int, duration_ms: int | None) ->
         "result": None,
         "result_type": None,
         "expires_at": now + keep_ms,
+        "priority": row.priority,
+        "group_key": row.group_key,
+        "worker": None,  # (the canceller is not the worker that ran it)
     }
 
 

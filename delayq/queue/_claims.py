@@ -157,8 +157,16 @@ class _Claims(_Flow):
         instead of waited for: a background ack never blocks behind someone else's transaction.
         A delivery whose lock is gone (expired and taken, or the message replaced or deleted)
         is counted as ``lock_lost``, once; with ``skip_locked=True`` one more SELECT, only when
-        not all were acked, tells such deliveries from row-locked ones.
+        not all were acked, tells such deliveries from row-locked ones. A message kept as completed
+        records the worker whose claim it was (None outside a worker): deliveries of several workers'
+        claims are acked one worker at a time.
         """
+        workers = {d._worker_id for d in deliveries}
+        if len(workers) > 1:
+            return sum(
+                self.ack_many([d for d in deliveries if d._worker_id == w], skip_locked=skip_locked, using=using)
+                for w in workers
+            )
         pairs: dict[tuple[int, str], None] = {}
         for d in deliveries:
             if d.queue != self.name:
@@ -211,6 +219,7 @@ class _Claims(_Flow):
         life = self.lifecycle
         results = {d.id: self._encoded_result(d) for d in deliveries}
         durations = {d.id: d._duration_ms for d in deliveries}
+        worker = deliveries[0]._worker_id if deliveries else None  # (``ack_many``: one worker's deliveries)
 
         def shared_shape(conn: Connection, dialect: Dialect, held_params: dict[str, Any]) -> int:
             ls = lifecycle_sql(self._statements(dialect), dialect)
@@ -220,7 +229,7 @@ class _Claims(_Flow):
                 rows = [r for r in rows if r.unique_for_ms is not None]
             if not rows:
                 return 0
-            conn.execute(ls.insert_finished, [self._finished_row(r, results, durations, life) for r in rows])
+            conn.execute(ls.insert_finished, [self._finished_row(r, results, durations, life, worker) for r in rows])
             moved = int(conn.execute(ls.delete_ids, {"ids": [r.id for r in rows]}).rowcount)
             if ls.notify is not None and self.notify:
                 conn.execute(ls.notify, {"queue_name": self.name})
@@ -237,6 +246,7 @@ class _Claims(_Flow):
                 "keep_result_types": [results[i][1] for i in results],
                 "retention_ms": life.retention_ms,
                 "queue_name": self.name,
+                "worker": worker,
                 **self._now_param(),
             }
             notify = self.notify and dialect.can_notify
@@ -256,6 +266,7 @@ class _Claims(_Flow):
         results: dict[int, tuple[bytes | None, str | None]],
         durations: dict[int, int | None],
         life: Lifecycle,
+        worker: str | None,
     ) -> dict[str, Any]:
         now = int(r.now)
         result, result_type = results.get(r.id, (None, None))
@@ -277,6 +288,9 @@ class _Claims(_Flow):
             "result": result,
             "result_type": result_type,
             "expires_at": now + max(life.retention_ms, r.unique_for_ms or 0),
+            "priority": r.priority,
+            "group_key": r.group_key,
+            "worker": worker,
         }
 
     def _encoded_result(self, d: Delivery) -> tuple[bytes | None, str | None]:
@@ -380,17 +394,22 @@ class _Claims(_Flow):
     def _dead_letter(
         self, d: Delivery, error: str | None, using: Using, exception: BaseException | None = None
     ) -> bool:
-        held = self._dead_letter_held([(d.id, d.lock_token, error)], using, exception) == 1
+        held = self._dead_letter_held([(d.id, d.lock_token, error)], using, exception, d._worker_id) == 1
         if not held:
             _lost_locks.count(self.name, [(d.id, d.lock_token)])
         return held
 
     def _dead_letter_held(
-        self, held: Sequence[tuple[int, str, str | None]], using: Using, exception: BaseException | None = None
+        self,
+        held: Sequence[tuple[int, str, str | None]],
+        using: Using,
+        exception: BaseException | None = None,
+        worker: str | None = None,
     ) -> int:
         """Move held messages ``(id, token, error)`` to the dead letters, in one transaction; how many.
 
-        Each one's attempt history gets this last failure (with ``exception``'s traceback, if any).
+        Each one's attempt history gets this last failure (with ``exception``'s traceback, if any); each keeps
+        its priority and group, and the registry id of the ``worker`` whose claim it was (None outside one).
         """
         failures = {error: history.Failure.capture(error, exception) for _, _, error in held}
         keep_dead = self.lifecycle.dead_letter_retention_ms
@@ -420,6 +439,9 @@ class _Claims(_Flow):
                         "failed_at": row.now,
                         "tags": row.tags,
                         "expires_at": None if keep_dead is None else int(row.now) + keep_dead,
+                        "priority": row.priority,
+                        "group_key": row.group_key,
+                        "worker": worker,
                     },
                 )
                 moved += conn.execute(stmts.delete_held, params).rowcount
@@ -476,12 +498,13 @@ class _Claims(_Flow):
                     _tags=row.tags,
                     priority=row.priority,
                     group=row.group_key,
+                    _worker_id=self._worker_id,
                 )
             )
         if dead:
             log.warning("%s: %d claimed message(s) moved to the dead letters: %s", self.name, len(dead), dead[0][2])
             try:
-                self._dead_letter_held(dead, using)
+                self._dead_letter_held(dead, using, worker=self._worker_id)
             except DBAPIError as exc:
                 if using is not None and not isinstance(using, Engine):
                     raise  # the caller's transaction: theirs to handle

@@ -40,6 +40,9 @@ class _DeadLetters(_QueueBase):
                     failed_at=from_ms(r.failed_at),
                     attempt_history=history.parse(r.attempt_history),
                     tags=decode_tags(r.tags),
+                    priority=None if r.priority is None else int(r.priority),
+                    group=r.group_key,
+                    worker=r.worker,
                 )
                 for r in rows
             ]
@@ -49,9 +52,10 @@ class _DeadLetters(_QueueBase):
     def requeue_dead(self, key: str, *, using: Using = None) -> bool:
         """Move the newest dead letter under ``key`` back into the queue, due now.
 
-        It keeps its ``last_error``, tags and attempt history (earlier attempts stay numbered as they
-        were); its ``attempts`` count starts afresh, so it gets its handler's whole retry budget
-        again. False when there is none, or when a live message already holds the key (it stays dead).
+        It keeps its ``last_error``, tags, attempt history (earlier attempts stay numbered as they were),
+        priority and group (as the dead letter recorded them: none before delayq_0013); its ``attempts`` count
+        starts afresh, so it gets its handler's whole retry budget again. False when there is none, or when a
+        live message already holds the key (it stays dead).
         """
         params = {"queue_name": self.name, "msg_key": check_key(key)}
 
@@ -63,20 +67,25 @@ class _DeadLetters(_QueueBase):
 
     def _requeue_row(self, conn: Connection, dialect: Dialect, row: Any) -> bool:
         """Move the dead letter ``row`` (read under a lock: its id, key, payload, payload_type, last_error,
-        attempt_history, headers, tags) back into the queue, due now; False when a live message holds its key."""
+        attempt_history, headers, tags, priority, group_key) back into the queue, due now; False when a live
+        message holds its key. Its priority and group count in claims as the queue's flow row marks them (set by
+        the offer that first gave the queue a priority or a group, and never taken back)."""
         stmts = self._statements(dialect)
         params = {"queue_name": self.name, "msg_key": row.key, "due_at": None, "due_in": 0, **self._now_param()}
         if not dialect.insert_if_absent(
             conn, stmts, {**params, "payload": row.payload, "payload_type": row.payload_type}
         ):
             return False
-        if row.last_error is not None or row.attempt_history is not None or row.headers is not None or row.tags:
+        kept = (row.last_error, row.attempt_history, row.headers, row.group_key)
+        if any(v is not None for v in kept) or row.tags or row.priority:  # (else the insert's defaults are it)
             restore = {
                 **params,
                 "error": row.last_error,
                 "history": row.attempt_history,
                 "headers": row.headers,
                 "tags": row.tags,
+                "priority": row.priority or 0,
+                "group": row.group_key,
             }
             conn.execute(stmts.memo(history_sql).restore_requeued, restore)
         conn.execute(stmts.dead_delete, {"dead_id": row.id})

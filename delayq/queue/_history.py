@@ -47,6 +47,9 @@ def statements(stmts: Statements) -> HistoryStatements:
         dead.c.headers,
         dead.c.failed_at,
         dead.c.tags,
+        dead.c.priority,
+        dead.c.group_key,
+        dead.c.worker,
     )
     return HistoryStatements(
         select_held=sa.select(
@@ -60,6 +63,8 @@ def statements(stmts: Statements) -> HistoryStatements:
             m.c.attempt_history,
             m.c.headers,
             m.c.tags,
+            m.c.priority,
+            m.c.group_key,
             now.label("now"),
         )
         .where(held)
@@ -104,6 +109,8 @@ def statements(stmts: Statements) -> HistoryStatements:
             attempt_history=_str("history", sa.Text),
             headers=_str("headers", sa.Text),
             tags=_str("tags", sa.Text),
+            priority=sa.bindparam("priority", type_=sa.SmallInteger),
+            group_key=_str("group"),
         ),
         history_of=sa.select(m.c.attempt_history).where(by_key),
         headers_of=sa.select(m.c.headers).where(by_key),

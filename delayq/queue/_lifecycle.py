@@ -116,6 +116,8 @@ def statements(stmts: Statements, d: Dialect) -> LifecycleStatements:
         m.c.attempt_history,
         m.c.headers,
         m.c.tags,
+        m.c.priority,
+        m.c.group_key,
         m.c.unique_for_ms,
         now.label("now"),
     )

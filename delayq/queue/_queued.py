@@ -93,7 +93,7 @@ class _Queued(_QueueBase):
 
     def _kept_message(self, row: Any, state: str, finished_at: int, **outcome: Any) -> Message:
         """A ``Message`` of a row kept after its message finished (``finished`` or ``dead_letters``): not
-        locked, scheduled as it first was."""
+        locked, scheduled as it first was; its priority, group and worker as the row recorded them."""
         return Message(
             key=row.key,
             payload=self._decode(row.key, row.payload_type, row.payload),
@@ -107,6 +107,9 @@ class _Queued(_QueueBase):
             state=state,
             finished_at=from_ms(finished_at),
             tags=decode_tags(row.tags),
+            priority=None if row.priority is None else int(row.priority),
+            group=row.group_key,
+            worker=row.worker,
             **outcome,
         )
 
@@ -264,7 +267,11 @@ class _Queued(_QueueBase):
     def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: Using = None) -> int:
         """Delete the messages whose key starts with ``prefix`` (but not with ``keep_prefix``); how many.
 
-        Keys compare byte for byte: case matters, and ``%``, ``_`` and ``\\`` are ordinary characters.
+        One DELETE, running messages included: a running one is deleted under its handler, recorded nowhere, and
+        no one is told; its worker finds the lock gone at its next heartbeat, as a lost lock (a ``lock lost``
+        warning). To cancel running work as ``cancel_job`` does (recorded as cancelled, its worker told at once),
+        use ``cancel_matching(key_prefix=prefix)``. Keys compare byte for byte: case matters, and ``%``, ``_`` and
+        ``\\`` are ordinary characters.
         """
         params = {"queue_name": self.name, **prefix_bounds(check_prefix(prefix))}
         if keep_prefix is not None:

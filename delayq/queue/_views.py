@@ -98,7 +98,7 @@ def _rows(
             sa.null().label("lock_token"),
             t.c.tags,
             *_not_finished(),
-            *_not_recorded(),
+            *_origin(t),
         )
         position = t.c.failed_at
     else:
@@ -118,6 +118,7 @@ def _rows(
             *_not_finished(),
             t.c.priority,
             t.c.group_key,
+            sa.null().label("worker"),
         )
         due, locked = t.c.scheduled_at <= _ms("at"), t.c.lock_token.is_not(None)
         where = {
@@ -167,10 +168,10 @@ def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
     return (no.label("finished_at"), no.label("duration_ms"), no.label("result"), no.label("result_type"))
 
 
-def _not_recorded() -> tuple[sa.ColumnElement[Any], ...]:
-    """A kept row's priority and group: dead letters and finished rows do not record them."""
-    no = sa.null()
-    return (no.label("priority"), no.label("group_key"))
+def _origin(t: sa.Table) -> tuple[sa.ColumnElement[Any], ...]:
+    """A kept row's priority, group and worker (dead letters and finished rows; NULL in rows kept before
+    delayq_0013)."""
+    return (t.c.priority, t.c.group_key, t.c.worker)
 
 
 def _kept_rows(
@@ -201,7 +202,7 @@ def _kept_rows(
         f.c.duration_ms,
         f.c.result,
         f.c.result_type,
-        *_not_recorded(),
+        *_origin(f),
     ).where(f.c.queue == sa.bindparam("queue_name"), f.c.state == kept)
     stmt = _paged(stmt, f.c.key if key_order else f.c.finished_at, f.c.id, key_order, paged)
     return _filtered(stmts, stmt, f, by_prefix, by_key, by_tag)
@@ -225,8 +226,8 @@ def list_rows(
     """A queue's messages in ``state`` (one of ``STATES``, or None for all) at ``now_ms``; with ``dead``, its
     dead letters; with a state of ``KEPT_STATES``, its kept finished messages in it. Columns: id, key,
     payload_type, payload, attempts, last_error, attempt_history, failed_at, scheduled_at, lock_token, tags,
-    finished_at, duration_ms, result, result_type, priority, group_key (NULL where they do not apply: kept rows
-    record no priority or group). With ``tag_pattern``
+    finished_at, duration_ms, result, result_type, priority, group_key, worker (NULL where they do not apply: a
+    live message's worker is in the registry's heartbeat, not its row). With ``tag_pattern``
     (``delayq.tags.tag_pattern``): only those carrying the tag.
 
     Each listing is in (position, id) order, a range of an index of the queue's: live messages by due time

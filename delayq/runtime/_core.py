@@ -223,6 +223,7 @@ class Core:
         the heartbeat's (what the handlers run, the outcomes counted), ``deregister`` at a clean stop. Never raises."""
         for q in self.queues:
             q._tally = self.registry.tally.count  # the queue history: each outcome counted as it is recorded
+            q._worker_id = self.registry.id  # its claims' kept outcomes record this worker (finished.worker)
 
     def wakes(self, payload: str) -> bool:
         """Whether a notification's payload names one of this worker's queues or topics."""

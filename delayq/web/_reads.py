@@ -248,7 +248,8 @@ class MessageView:
     kept: list[StoredMessage] = field(default_factory=list)
     """Its kept completed and cancelled records, the latest first."""
     worker: WorkerInfo | None = None
-    """The worker whose last heartbeat says it runs the shown message (an in-flight one), where one does."""
+    """The worker whose last heartbeat says it runs the shown message (an in-flight one), where one does; for a
+    kept one, the registry's row of the worker that finished it, while the registry keeps it (an hour)."""
 
     @property
     def shown(self) -> StoredMessage | None:
@@ -259,21 +260,26 @@ class MessageView:
 
     @property
     def finished(self) -> bool:
-        """Whether the shown record is a kept one (completed, cancelled, dead): it records no priority, group or
-        worker."""
+        """Whether the shown record is a kept one (completed, cancelled, dead)."""
         return self.live is None and self.shown is not None
 
     @property
     def priority(self) -> int | None:
-        """The live message's priority (as ``get`` reads it, else as listed); None once finished."""
-        source = self.message if self.message is not None else self.live
-        return None if self.finished else getattr(source, "priority", None)
+        """The shown message's priority (as ``get`` reads it, else as listed); a kept one's as it finished, None
+        when its row does not record it (kept before delayq_0013)."""
+        return getattr(self.message if self.message is not None else self.shown, "priority", None)
 
     @property
     def group(self) -> str | None:
-        """The live message's group; None when it has none, or once finished."""
-        source = self.message if self.message is not None else self.live
-        return None if self.finished else getattr(source, "group", None)
+        """The shown message's group; None when it has none (or its kept row does not record it)."""
+        return getattr(self.message if self.message is not None else self.shown, "group", None)
+
+    @property
+    def worker_id(self) -> str | None:
+        """A kept message's worker: the registry id of the worker whose ack or dead letter finished it; None
+        for a live one, a cancelled one and one finished outside a worker."""
+        shown = self.shown
+        return shown.worker if self.finished and shown is not None else None
 
     @property
     def others(self) -> int:
@@ -306,7 +312,8 @@ def message(where: Where, queue: str, key: str) -> MessageView:
     """Everything about one key of a queue (as ``delayq show``): its live message, else what was kept of it
     (completed, cancelled, dead), with ``get(key, include_dead=True)``'s view of it where its payload is of a
     built-in serializer's (timings, priority and group, the result); for an in-flight message, the worker
-    running it. ``InvalidKeyError`` for a key no message can have."""
+    running it; for a kept one, the worker that finished it (while the registry has its row).
+    ``InvalidKeyError`` for a key no message can have."""
     check_key(key)
     with where.engine.connect() as conn:
         now = database_now(conn)
@@ -331,6 +338,8 @@ def message(where: Where, queue: str, key: str) -> MessageView:
         worker = None
         if shown is not None and shown.state is State.IN_FLIGHT:
             worker = next((w for w in list_workers(conn, where.tables) if _runs(w, queue, shown)), None)
+        elif view.worker_id is not None:
+            worker = next((w for w in list_workers(conn, where.tables) if w.id == view.worker_id), None)
         conn.rollback()
     return dataclasses.replace(view, message=got, worker=worker)
 
