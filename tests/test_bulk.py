@@ -5,6 +5,7 @@ consumers claiming the same rows, an action interrupted half-way, a row lock hel
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -374,3 +375,50 @@ def test_cancel_reschedule_and_dead_take_a_tag_and_a_state(backend: Backend, que
         out = cli(backend, *bad, "--yes")
         assert out.exit_code == 2 and "Error" in out.output.strip().splitlines()[-1], (bad, out.output)
     assert q.count_matching() == 3
+
+
+def test_cancel_by_key_prefix_records_a_running_message_and_tells_its_handler(
+    backend: Backend, queue_name: str, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``delayq cancel QUEUE --key-prefix P`` cancels as ``--tag`` and ``--state`` do (``cancel_matching``): a
+    running message under the prefix is recorded as cancelled and its handler told (PostgreSQL: by NOTIFY;
+    elsewhere at the worker's next heartbeat, which the manual clock brings on), never deleted under it unrecorded
+    (which its worker would take for a lost lock)."""
+    from test_worker_cancel import VT, Telling
+    from test_worker_contract import Driver
+
+    from delayq import Delivery, audit
+
+    started, told = threading.Event(), threading.Event()
+
+    def body(d: Delivery, _: object) -> None:
+        if d.key == "p/running":
+            started.set()
+            if d.cancelled.wait(30):
+                told.set()
+
+    caplog.set_level(logging.INFO, logger="delayq")
+    driver = Driver("threads", backend)
+    telling = Telling(driver, clock)
+    worker = driver.worker([driver.queue_handler(queue_name, body, visibility_timeout=VT)], **telling.options)
+    q = DelayedQueue(backend.engine, queue_name, clock=clock)
+    q.offer("p/running", 1, tags=["eu"])
+    telling.start(worker)
+    try:
+        assert started.wait(30), "the handler did not start"
+        q.offer_many([("p/queued", 2, HOUR), ("other", 3, HOUR)])
+        out = cli(backend, "cancel", queue_name, "--key-prefix", "p/", "--yes")
+        assert out.exit_code == 0 and f"{queue_name}: 2 message(s) cancelled" in out.stdout, out.output
+        telling.tell()
+        assert told.wait(30), "the handler was not told"
+    finally:
+        assert worker.stop()
+    assert keys_of(backend.engine, queue_name) == ["other"]
+    assert cancelled_keys(backend.engine, queue_name) == ["p/running"]  # (the queued one deleted, unrecorded)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [w for w in warnings if "lost" in w], warnings  # (a cancel, not a lost lock)
+    told_lines = [r.getMessage() for r in caplog.records if "cancelled while its handler ran" in r.getMessage()]
+    assert told_lines and all("'p/running'" in line for line in told_lines), told_lines
+    with backend.engine.connect() as conn:
+        [entry] = audit.entries(conn, make_tables(), queue=queue_name)
+    assert (entry.action, entry.filter, entry.count) == ("cancel", {"prefix": "p/"}, 2)

@@ -317,41 +317,40 @@ def test_enqueue_offers_json_now_at_or_in(backend: Backend, queue_name: str) -> 
     assert q.get("x") is None
 
 
-def test_cancel_by_key_prefix_asks_first_and_shows_progress(
+def test_cancel_by_key_prefix_counts_asks_and_cancels_in_batches_as_cancel_matching(
     backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import click._termui_impl
-
-    import delayq.cli._messages
 
     q = DelayedQueue(backend.engine, queue_name)
     q.offer_many([(f"user-1-{i}", i, None) for i in range(5)] + [("user-10", 0, None), ("other", 0, None)])
     declined = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="n\n")
     assert declined.exit_code == 1 and q.stats().ready == 7
-    # Chunks of two keys at most (a DELETE under a longer prefix each), the bar drawn as on a terminal.
-    monkeypatch.setattr(delayq.cli._messages, "CANCEL_CHUNK", 2)
+    # The bulk cancel of --tag and --state (each running message recorded and told: test_bulk.py), here in
+    # batches of two, the bar drawn as on a terminal.
     monkeypatch.setattr(click._termui_impl, "isatty", lambda _: True)
-    cancelled: list[str] = []
-    cancel_prefix = DelayedQueue.cancel_prefix
+    calls: list[dict[str, Any]] = []
+    cancel_matching = DelayedQueue.cancel_matching
 
-    def counted(self: DelayedQueue, prefix: str, **kwargs: Any) -> int:
-        cancelled.append(prefix)
-        return cancel_prefix(self, prefix, **kwargs)
+    def in_twos(self: DelayedQueue, **kwargs: Any) -> Any:
+        calls.append({k: v for k, v in kwargs.items() if k != "progress"})
+        return cancel_matching(self, **{**kwargs, "batch_size": 2})
 
-    monkeypatch.setattr(DelayedQueue, "cancel_prefix", counted)
+    monkeypatch.setattr(DelayedQueue, "cancel_matching", in_twos)
     done = cli(backend, "cancel", queue_name, "--key-prefix", "user-1-", input="y\n")
-    assert done.exit_code == 0 and "cancel 5 message(s)" in done.output and "5 message(s) cancelled" in done.stdout
-    assert cancelled == [f"user-1-{i}" for i in range(5)]
-    bar = done.stderr.split("\r")
-    assert [f"{i}/5" in "".join(bar) for i in range(6)] == [True] * 6, done.stderr
+    assert done.exit_code == 0 and f"{queue_name}: 5 message(s) cancelled" in done.stdout, done.output
+    assert f"cancel 5 message(s) of {queue_name!r} whose key starts with 'user-1-'?" in done.output
+    assert calls == [{"state": None, "key_prefix": "user-1-", "tag": None}]
+    bar = "".join(done.stderr.split("\r"))
+    assert [f"{i}/5" in bar for i in (0, 2, 4, 5)] == [True] * 4, done.stderr
     assert "cancel  [####################################]  5/5" in done.stderr, done.stderr
     assert q.get("user-10") is not None and q.get("other") is not None and q.stats().ready == 2
-    cancelled.clear()
     assert cli(backend, "cancel", queue_name, "--key-prefix", "user", "--yes").exit_code == 0
-    assert cancelled == ["user"] and q.stats().ready == 1  # two keys: one chunk, one statement
+    assert len(calls) == 2 and q.stats().ready == 1
     for bad in ([], ["other", "--key-prefix", "o"], ["--key-prefix", "none-such", "--yes"]):
         out = cli(backend, "cancel", queue_name, *bad)
         assert out.exit_code == 2, out.output
+    assert "no message of queue" in out.output and q.stats().ready == 1
 
 
 def test_prefix_chunks_cover_every_key_once_and_hold_at_most_the_chunk() -> None:

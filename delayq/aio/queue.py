@@ -394,7 +394,9 @@ class AsyncDelayedQueue:
         )
 
     async def cancel_prefix(self, prefix: str, *, keep_prefix: str | None = None, using: AsyncUsing = None) -> int:
-        """Delete the messages whose key starts with ``prefix`` (but not ``keep_prefix``); how many."""
+        """Delete the messages whose key starts with ``prefix`` (but not ``keep_prefix``); how many. Running ones
+        too, unrecorded and untold (see the sync ``cancel_prefix``); ``cancel_matching`` cancels them as
+        ``cancel_job`` does."""
         return await self._run(using, lambda u: self.sync.cancel_prefix(prefix, keep_prefix=keep_prefix, using=u))
 
     async def coalesce_overdue(self, prefix: str, now: dt.datetime, *, using: AsyncUsing = None) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +15,6 @@ from delayq.browse import (
     State,
     StoredMessage,
     database_now,
-    keys_under,
     list_messages,
     search_messages,
 )
@@ -175,10 +173,11 @@ def _row(m: StoredMessage, now: dt.datetime, full: bool) -> dict[str, Any]:
     }
 
 
-QUIET_UNSET = ("failed_at", "finished_at", "duration", "result")
+QUIET_UNSET = ("failed_at", "finished_at", "duration", "result", "worker")
 """Fields ``show`` leaves out when unset (they belong to dead letters or kept messages)."""
 NOT_RECORDED = ("priority", "group")
-"""Fields of a live message that dead letters and kept messages do not record (``show`` says so)."""
+"""Fields that dead letters and kept messages of an older delayq (before delayq_0013) do not record: ``show``
+says so where a kept row's priority is unset."""
 
 
 @main.command()
@@ -206,7 +205,7 @@ def show(ctx: click.Context, queue: str, key: str, as_json: bool) -> None:
         for name, value in m.as_dict().items():
             if name == "attempt_history" or (name in QUIET_UNSET and value is None):
                 continue
-            if name in NOT_RECORDED and m.state in (State.DEAD, State.COMPLETED, State.CANCELLED):
+            if name in NOT_RECORDED and m.state.kept and m.priority is None:
                 value = "(not recorded)"
             if name == "duration":
                 value = human(dt.timedelta(seconds=value))
@@ -273,7 +272,8 @@ def run_now(ctx: click.Context, queue: str, key: str) -> None:
 
 
 CANCEL_CHUNK = 1000
-"""At most this many of the listed keys per DELETE of ``cancel --key-prefix``."""
+"""At most this many keys per ``prefix_chunks`` chunk, as ``cancel --key-prefix`` once deleted them (it now cancels
+in ``cancel_matching``'s batches); kept importable from ``delayq.cli``."""
 
 
 def prefix_chunks(prefix: str, keys: list[str], size: int) -> Iterator[tuple[str, bool, int]]:
@@ -311,8 +311,8 @@ def _common_prefix(keys: list[str]) -> str:
 @click.argument("queue")
 @click.argument("key", required=False)
 @click.option("--key-prefix", help="Every message whose key starts with this (asks first unless --yes).")
-@click.option("--tag", help="Every message that carries this tag, cancelled in batches (asks first unless --yes).")
-@click.option("--state", type=click.Choice(CANCELLED), help="Every message in this state, cancelled in batches.")
+@click.option("--tag", help="Every message that carries this tag (asks first unless --yes).")
+@click.option("--state", type=click.Choice(CANCELLED), help="Every message in this state (all: not running).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 @friendly
@@ -325,51 +325,27 @@ def cancel(
     state: str | None,
     yes: bool,
 ) -> None:
-    """Cancel a message, or delete every message under --key-prefix, or cancel every one a filter matches.
-
-    With --tag or --state (and --key-prefix), the matching messages are cancelled in batches as one is: a
-    running one recorded as cancelled and its worker told.
+    """Cancel a message, or every one a filter (--key-prefix, --tag, --state) matches.
 
     A message whose handler runs is recorded as cancelled and its worker told (it stops, and what it does after
-    changes nothing); the line says which it was. With --key-prefix, the messages listed and confirmed are deleted
-    in chunks of at most 1,000 (a DELETE of a longer prefix each, with a progress bar on stderr); one offered under
-    such a prefix meanwhile goes too. Running ones go too, unrecorded: their workers learn it at their next heartbeat.
+    changes nothing); the line says which it was. With a filter, the matching messages are counted, confirmed
+    (unless --yes) and cancelled in batches as one is (`cancel_matching`), with a progress bar on stderr: a
+    queued one deleted, a running one recorded as cancelled and its worker told.
     """
-    if key is None and (tag is not None or state is not None):
+    if key is None and (key_prefix is not None or tag is not None or state is not None):
         return bulk.cancel_matching(ctx, queue, state, key_prefix, tag, yes)
-    if (key is None) == (key_prefix is None) or tag is not None or state is not None:
+    if key is None or key_prefix is not None or tag is not None or state is not None:
         raise Fail("give a KEY, or --key-prefix PREFIX, --tag T, --state S (not both)")
-    if key is not None:
-        with connect(ctx) as (engine, conn):
-            conn.rollback()  # hold nothing while the cancel runs on its own connection
-            outcome = admin_queue(engine, ctx, queue).cancel_job(key)
-            if not outcome:
-                raise Fail(_nothing_to_cancel(ctx, conn, queue, key))
-        if outcome is CancelOutcome.RUNNING:
-            click.echo(f"{queue}: cancelled running message {key}: its worker is told")
-        else:
-            click.echo(f"{queue}: cancelled queued message {key}")
-        audited(ctx, "cancel", queue, 1, key=key)
-        return
-    assert key_prefix is not None
     with connect(ctx) as (engine, conn):
-        keys = keys_under(conn, make_tables(ctx.obj["prefix"]), check_queue_name(queue), check_prefix(key_prefix))
-        if not keys:
-            note = _noted(unknown_queue_note(ctx, conn, queue))
-            raise Fail(f"no message in queue {queue!r} has a key that starts with {key_prefix!r}{note}")
-        conn.rollback()
-        if not yes:
-            click.confirm(
-                f"cancel {len(keys)} message(s) of {queue!r} whose key starts with {key_prefix!r}?", abort=True
-            )
-        q, done = admin_queue(engine, ctx, queue), 0
-        # A statement per chunk of at most CANCEL_CHUNK keys: the bar moves, and no statement locks many rows.
-        with click.progressbar(length=len(keys), label="cancel", file=sys.stderr, show_pos=True) as bar:
-            for sub, exact, n in prefix_chunks(key_prefix, keys, CANCEL_CHUNK):
-                done += q.cancel(sub) if exact else q.cancel_prefix(sub)
-                bar.update(n)
-    click.echo(f"{queue}: {done} message(s) cancelled")
-    audited(ctx, "cancel", queue, done, prefix=key_prefix)
+        conn.rollback()  # hold nothing while the cancel runs on its own connection
+        outcome = admin_queue(engine, ctx, queue).cancel_job(key)
+        if not outcome:
+            raise Fail(_nothing_to_cancel(ctx, conn, queue, key))
+    if outcome is CancelOutcome.RUNNING:
+        click.echo(f"{queue}: cancelled running message {key}: its worker is told")
+    else:
+        click.echo(f"{queue}: cancelled queued message {key}")
+    audited(ctx, "cancel", queue, 1, key=key)
 
 
 def _nothing_to_cancel(ctx: click.Context, conn: sa.Connection, queue: str, key: str) -> str:
