@@ -66,7 +66,7 @@ def test_a_delivery_carries_its_priority_and_group_on_every_claim_path(make_queu
 
 
 @BOTH_APIS
-def test_get_shows_a_live_messages_priority_and_group_and_none_once_kept(
+def test_get_shows_a_messages_priority_and_group_live_and_once_kept(
     make_queue: Callable[..., DelayedQueue],
 ) -> None:
     q = make_queue(retention=HOUR)
@@ -80,8 +80,8 @@ def test_get_shows_a_live_messages_priority_and_group_and_none_once_kept(
     assert running is not None and (running.state, running.priority, running.group) == ("running", 5, "customer-9")
     assert d.ack(result="done")
     kept = q.get("job")
-    # (the finished rows and dead letters do not record them: docs/workers.md, "Flow control")
-    assert kept is not None and (kept.state, kept.priority, kept.group) == ("completed", None, None)
+    # (the finished rows and dead letters record them: delayq_0013)
+    assert kept is not None and (kept.state, kept.priority, kept.group) == ("completed", 5, "customer-9")
 
 
 # -- limits, pause and running counts where the queue is shown ---------------------------------------------
@@ -159,7 +159,7 @@ def field(page: str, name: str) -> str:
     return re.sub(r"<[^>]+>", "", found.group(1)).strip()
 
 
-def test_the_message_page_shows_a_completed_job_its_result_duration_attempts_tags_and_what_is_not_recorded(
+def test_the_message_page_shows_a_completed_job_its_result_duration_attempts_tags_priority_and_group(
     backend: Backend, queue_name: str
 ) -> None:
     q = DelayedQueue(backend.engine, queue_name, retention=HOUR)
@@ -184,8 +184,8 @@ def test_the_message_page_shows_a_completed_job_its_result_duration_attempts_tag
     assert field(text, "duration") == "1.5s" and field(text, "finished_at").startswith("20")
     assert "renderer crashed on job" in text and "render_thumbnail" in text  # attempt 1's traceback
     assert field(text, "tags") == "billing"
-    assert field(text, "flow") == "not recorded once finished"  # (the finished row keeps no priority nor group)
-    assert field(text, "worker") == "not recorded once finished"
+    assert (field(text, "priority"), field(text, "group")) == ("5", "customer-7")  # (kept with it: delayq_0013)
+    assert field(text, "worker").startswith("none recorded")  # (acked by hand, outside a worker)
 
 
 def test_the_message_page_shows_a_cancelled_job_and_the_latest_of_a_dead_letter_and_a_kept_record(
@@ -250,7 +250,7 @@ def test_listings_ls_json_and_show_carry_a_live_messages_priority_and_group(back
         live = list_messages(conn, make_tables(), queue_name, state=None, now=now)
         kept = list_messages(conn, make_tables(), queue_name, state=State.COMPLETED, now=now)
     assert sorted((m.key, m.priority, m.group) for m in live) == [("a", 4, "g1"), ("b", 0, None)]
-    assert [(m.key, m.priority, m.group) for m in kept] == [("c", None, None)]
+    assert [(m.key, m.priority, m.group) for m in kept] == [("c", 9, "g2")]
 
     async def listed_async() -> list[tuple[str, int | None, str | None]]:
         from delayq.aio import browse as aio_browse
@@ -276,6 +276,6 @@ def test_listings_ls_json_and_show_carry_a_live_messages_priority_and_group(back
     assert shown.exit_code == 0, shown.output
     assert re.search(r"^\s*priority: 4$", shown.output, re.M) and re.search(r"^\s*group: g1$", shown.output, re.M)
     finished = runner.invoke(main, ["--url", backend.url, "show", queue_name, "c"]).output
-    assert re.search(r"^\s*priority: \(not recorded\)$", finished, re.M), finished
+    assert re.search(r"^\s*priority: 9$", finished, re.M), finished
     [as_json] = json.loads(runner.invoke(main, ["--url", backend.url, "show", queue_name, "c", "--json"]).output)
-    assert (as_json["state"], as_json["priority"], as_json["group"]) == ("completed", None, None)
+    assert (as_json["state"], as_json["priority"], as_json["group"], as_json["worker"]) == ("completed", 9, "g2", None)

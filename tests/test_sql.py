@@ -11,7 +11,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from delayq.dialects import Dialect, dialect_class
 from delayq.dialects.mysql import _due_ids, _lock_due_by_id
-from delayq.dialects.postgresql import _claim_statement
+from delayq.dialects.postgresql import _claim_statement, _keep_held_statement
 from delayq.dialects.sqlite import _lock_taken, _take_due
 from delayq.schema import make_tables
 
@@ -32,6 +32,8 @@ def sql(name: str, pick: str) -> str:
         stmt = stmts.memo(built[pick], 10)
     elif pick in ("lock_due_by_id", "lock_taken"):
         stmt = stmts.memo(_lock_due_by_id if pick == "lock_due_by_id" else _lock_taken)
+    elif pick == "keep_held":  # (a worker's background ack: SKIP LOCKED, no NOTIFY)
+        stmt = stmts.memo(_keep_held_statement, True, False, False)
     else:
         stmt = getattr(stmts, pick)
     text = str(stmt.compile(dialect=sa_dialect)).replace(NOW[name], "<now>")
@@ -64,6 +66,34 @@ EXPECTED = {
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = %(token)s::VARCHAR AND "
             "delayq_messages.id = ANY (%(ids)s::BIGINT[]) AND delayq_messages.unique_for_ms IS NULL"
+        ),
+        # The ack that keeps: one statement; the live row's priority and group go with it, the worker is one
+        # bound value for every row.
+        "keep_held": (
+            "WITH picked AS MATERIALIZED (SELECT delayq_messages.id AS id FROM delayq_messages WHERE "
+            "delayq_messages.lock_token = ANY (%(held_token_set)s::VARCHAR[]) AND (delayq_messages.id, "
+            "delayq_messages.lock_token) IN (SELECT held.held_ids, held.held_tokens FROM unnest(%(held_ids)s::"
+            "BIGINT[], %(held_tokens)s::VARCHAR[]) AS held(held_ids, held_tokens)) FOR UPDATE SKIP LOCKED), gone "
+            "AS (DELETE FROM delayq_messages USING picked WHERE delayq_messages.id = picked.id AND "
+            "delayq_messages.lock_token = ANY (%(held_token_set)s::VARCHAR[]) RETURNING delayq_messages.id, "
+            "delayq_messages.unique_for_ms, delayq_messages.queue, delayq_messages.key, delayq_messages.payload, "
+            "delayq_messages.payload_type, delayq_messages.scheduled_at_initially, delayq_messages.created_at, "
+            "delayq_messages.attempts, delayq_messages.last_error, delayq_messages.attempt_history, "
+            "delayq_messages.headers, delayq_messages.tags, delayq_messages.priority, delayq_messages.group_key), "
+            "kept AS (INSERT INTO delayq_finished (queue, key, payload, payload_type, scheduled_at_initially, "
+            "created_at, attempts, last_error, attempt_history, headers, tags, priority, group_key, state, "
+            "finished_at, duration_ms, result, result_type, expires_at, worker) SELECT gone.queue AS queue, "
+            "gone.key AS key, gone.payload AS payload, gone.payload_type AS payload_type, "
+            "gone.scheduled_at_initially AS scheduled_at_initially, gone.created_at AS created_at, gone.attempts "
+            "AS attempts, gone.last_error AS last_error, gone.attempt_history AS attempt_history, gone.headers AS "
+            "headers, gone.tags AS tags, gone.priority AS priority, gone.group_key AS group_key, 1 AS state, "
+            "<now> AS finished_at, extra.keep_durations AS keep_durations, extra.keep_results AS keep_results, "
+            "extra.keep_result_types AS keep_result_types, <now> + greatest(%(retention_ms)s::BIGINT, "
+            "coalesce(gone.unique_for_ms, %(coalesce_1)s::INTEGER)) AS expires_at, %(worker)s::VARCHAR AS worker "
+            "FROM gone LEFT OUTER JOIN unnest(%(keep_ids)s::BIGINT[], %(keep_durations)s::BIGINT[], "
+            "%(keep_results)s::BYTEA[], %(keep_result_types)s::VARCHAR[]) AS extra(keep_ids, keep_durations, "
+            "keep_results, keep_result_types) ON gone.id = extra.keep_ids RETURNING delayq_finished.id) SELECT "
+            "(SELECT count(*) AS count_1 FROM kept) AS kept"
         ),
     },
     "mysql": {
@@ -111,6 +141,12 @@ EXPECTED = {
         "ack": (
             "DELETE FROM delayq_messages WHERE delayq_messages.lock_token = ? AND delayq_messages.id IN "
             "(SELECT anon_1.value FROM json_each(?) AS anon_1) AND delayq_messages.unique_for_ms IS NULL"
+        ),
+        # Every backend's dead letter (one row per message, each column bound): priority, group and worker too.
+        "insert_dead": (
+            'INSERT INTO delayq_dead_letters (queue, "key", payload, payload_type, scheduled_at_initially, '
+            "created_at, attempts, last_error, attempt_history, headers, failed_at, tags, expires_at, priority, "
+            "group_key, worker) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         ),
     },
 }
