@@ -238,15 +238,17 @@ def search_messages(
     after: SearchCursor | None = None,
 ) -> list[StoredMessage]:
     """The messages of every queue in ``state`` (None: every live one) whose key starts with ``key_prefix``
-    and that carry ``tag``: queue by queue in name order, each as ``list_messages`` lists it (under a prefix,
-    by key). Paged by keyset: ``after`` is ``(m.queue, m.cursor)`` of the last message of the page before.
+    and that carry ``tag``: queue by queue in the database's order of names, each as ``list_messages`` lists it
+    (under a prefix, by key). Paged by keyset: ``after`` is ``(m.queue, m.cursor)`` of the last message of the
+    page before.
 
-    One read of the queue names, then one ``list_messages`` per queue until the page is full: a range of one
-    of the queue's indexes each (a queue with no match costs a probe of its index, with a ``key_prefix``)."""
+    Per queue visited, one probe of an index for its name (the next queue with rows in the state's table: never
+    a scan of the rows) and one ``list_messages``, a range of one of its indexes, until the page is full. A
+    ``tag`` is a filter over the rows read (no index serves it): a rare tag reads many."""
+    table = "messages" if state is None or not state.kept else "dead_letters" if state is State.DEAD else "finished"
     found: list[StoredMessage] = []
-    for name in queue_names(conn, tables):
-        if after is not None and name < after[0]:
-            continue
+    name = _views.next_queue(conn, tables, table, after=None if after is None else after[0], inclusive=True)
+    while name is not None:
         found += list_messages(
             conn,
             tables,
@@ -261,6 +263,7 @@ def search_messages(
         )
         if len(found) >= limit:
             break
+        name = _views.next_queue(conn, tables, table, after=name)
     return found
 
 

@@ -345,6 +345,16 @@ def test_a_deep_page_of_kept_rows_reads_an_index_range(kept_rows: sa.Engine) -> 
                 assert "Seq Scan" not in plan and f"{PREFIX}" in plan and ix in plan, (state, kw, plan)
                 assert re.search(r"Index Cond: .*finished_at|Index Cond: .*failed_at|Index Cond: .*key", plan), plan
                 assert not re.search(r"^\s*->\s*Sort\b|^Sort\b", plan, re.M), (state, kw, plan)  # (no full sort)
+
+    def search(state: State) -> Any:
+        with kept_rows.connect() as conn:
+            now = database_now(conn)
+            return browse.search_messages(conn, tables, state=state, now=now, key_prefix="job/0123", limit=51)
+
+    for state in expected:  # a search: its walk of the queue names probes an index too, then lists as above
+        found = plans(kept_rows, functools.partial(search, state), state)
+        assert len(found) >= 2 and any(p.startswith("Limit") and "Index Only Scan" in p for p in found), found
+        assert all("Seq Scan" not in plan and "Index" in plan for plan in found), found
     with kept_rows.connect() as conn:  # the same pages, walked to the end, list each row once
         walked, after = 0, None
         while page := list_messages(conn, tables, "q2", state=State.CANCELLED, now=now, limit=5000, after=after):

@@ -58,6 +58,25 @@ def queue_names(conn: Connection, tables: Tables) -> list[str]:
     return sorted(conn.execute(_stmts(conn, tables).memo(_queue_names)).scalars())
 
 
+def _next_queue(stmts: Statements, table: str, bound: str) -> sa.Select[Any]:
+    t = getattr(stmts.tables, table)
+    stmt = sa.select(t.c.queue).order_by(t.c.queue).limit(1)
+    name = sa.bindparam("queue_name", type_=sa.String)
+    return {"first": stmt, "from": stmt.where(t.c.queue >= name), "after": stmt.where(t.c.queue > name)}[bound]
+
+
+def next_queue(
+    conn: Connection, tables: Tables, table: str, *, after: str | None, inclusive: bool = False
+) -> str | None:
+    """The first queue, in the database's order of names, with rows in ``table`` ("messages", "dead_letters" or
+    "finished") after ``after`` (or from it, ``inclusive``; None: the first of all): one probe of an index that
+    starts with ``queue``, whatever the number of rows. None when there is none."""
+    bound = "first" if after is None else "from" if inclusive else "after"
+    stmt = _stmts(conn, tables).memo(_next_queue, table, bound)
+    found = conn.execute(stmt, {"queue_name": after}).scalar()
+    return None if found is None else str(found)
+
+
 def _keys_under(stmts: Statements) -> sa.Select[Any]:
     m = stmts.tables.messages
     return (
