@@ -9,6 +9,7 @@ import os
 import sqlalchemy as sa
 
 from alembic import context
+from delayq.engines import driver_url
 from delayq.migrations import migration_options, version_table
 from delayq.schema import make_tables
 
@@ -45,6 +46,7 @@ def run() -> None:
     )
     if not url:
         raise SystemExit("no database URL: pass -x url=... or set DELAYQ_URL")
+    url = driver_url(url)  # (postgres://, as Heroku's DATABASE_URL has it: delayq's driver)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     if engine.dialect.is_async:  # an asyncio driver's URL (postgresql+asyncpg://...): through run_sync
         engine.dispose()

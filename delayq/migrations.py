@@ -26,7 +26,7 @@ from alembic.util.exc import CommandError
 from sqlalchemy.engine import Connection, Engine
 
 from alembic import command
-from delayq.engines import create_engine
+from delayq.engines import create_engine, driver_url
 from delayq.errors import SchemaRevisionError, UnknownRevisionError
 from delayq.schema import DEFAULT_PREFIX, Tables, make_tables
 
@@ -59,40 +59,42 @@ def config(
     prefix: str = DEFAULT_PREFIX,
     schema: str | None = None,
 ) -> Config:
-    """An Alembic ``Config`` for delayq's own environment, on a URL or an open connection."""
+    """An Alembic ``Config`` for delayq's own environment, on a URL or an open connection. A URL whose scheme
+    names no driver gets delayq's (``postgres://`` as ``postgresql+psycopg://``: ``delayq.engines.driver_url``)."""
     cfg = Config()
     cfg.set_main_option("script_location", script_location())
+    url = None if url is None else driver_url(url)
     cfg.attributes.update({"url": url, "connection": connection, "delayq_prefix": prefix, "delayq_schema": schema})
     return cfg
 
 
 def upgrade(url: str | None = None, revision: str = "heads", **kwargs: Any) -> None:
     """Apply delayq's migrations (Alembic's ``command.upgrade``); ``UnknownRevisionError`` for a revision
-    delayq does not have."""
+    delayq does not have. ``url`` as ``config`` takes it (``postgres://`` too)."""
     _check_target(revision)
-    with _connected(url, kwargs):
-        command.upgrade(config(url, **kwargs), revision)
+    with _configured(url, kwargs) as cfg:
+        command.upgrade(cfg, revision)
 
 
 def downgrade(url: str | None = None, revision: str = "base", **kwargs: Any) -> None:
-    """Revert delayq's migrations (Alembic's ``command.downgrade``)."""
+    """Revert delayq's migrations (Alembic's ``command.downgrade``); ``url`` as ``upgrade`` takes it."""
     _check_target(revision)
-    with _connected(url, kwargs):
-        command.downgrade(config(url, **kwargs), revision)
+    with _configured(url, kwargs) as cfg:
+        command.downgrade(cfg, revision)
 
 
 @contextmanager
-def _connected(url: str | None, kwargs: dict[str, Any]) -> Iterator[None]:
-    """With a URL and no connection: one transaction on an engine with delayq's network timeouts (a server
-    that never answers fails the command in bounded time), as ``kwargs["connection"]``."""
+def _configured(url: str | None, kwargs: dict[str, Any]) -> Iterator[Config]:
+    """``config(url, **kwargs)``; with a URL and no connection, on one transaction of an engine with delayq's
+    network timeouts (a server that never answers fails the command in bounded time)."""
+    url = None if url is None else driver_url(url)
     if url is None or kwargs.get("connection") is not None or sa.make_url(url).get_dialect().is_async:
-        yield  # (an asyncio driver's URL: the environment connects and runs through ``run_sync``)
+        yield config(url, **kwargs)  # (an asyncio driver's URL: the environment connects, through ``run_sync``)
         return
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            kwargs["connection"] = conn
-            yield
+            yield config(url, **{**kwargs, "connection": conn})
     finally:
         engine.dispose()
 

@@ -104,6 +104,45 @@ def test_urls_without_a_driver_use_delayqs(backend: Backend, queue_name: str) ->
             engine.dispose()
 
 
+def test_migrations_take_urls_without_a_driver(backend: Backend) -> None:
+    """``delayq.migrations.upgrade`` and ``downgrade`` called from Python, and Alembic's own command line
+    (``-x url=``, ``DELAYQ_URL``), take them as ``delayq migrate`` does (``delayq.engines.driver_url``)."""
+    from test_migrations import alembic_cli, schema_diff, table_exists
+
+    from delayq import migrations
+
+    prefix = "bareurl_"
+    for url in bare(backend.url):
+        migrations.downgrade(url, prefix=prefix)
+        try:
+            migrations.upgrade(url, prefix=prefix)
+            assert schema_diff(backend.engine, prefix) == []
+        finally:
+            migrations.downgrade(url, prefix=prefix)
+        assert not table_exists(backend.engine, f"{prefix}messages")
+    x = ["-x", f"url={bare(backend.url)[0]}", "-x", f"delayq_prefix={prefix}"]
+    alembic_cli(*x, "upgrade", "heads")
+    try:
+        assert table_exists(backend.engine, f"{prefix}messages")
+    finally:
+        alembic_cli(*x, "downgrade", "base")
+    assert not table_exists(backend.engine, f"{prefix}messages")
+
+
+def test_the_spark_source_takes_urls_without_a_driver(backend: Backend) -> None:
+    """Its options' check (``delayq.spark.check_url``) takes them as the executors' engines do."""
+    from delayq.spark.options import SourceOptions
+
+    for url in bare(backend.url):
+        engine = SourceOptions.parse({"url": url, "queue": "q"}).engine()
+        try:
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+            assert engine.url.drivername == sa.make_url(backend.url).drivername
+        finally:
+            engine.dispose()
+
+
 def test_driver_url_names_delayqs_driver_where_the_scheme_names_none() -> None:
     assert (
         driver_url("postgres://u:p%40ss@h:5/db?sslmode=require")

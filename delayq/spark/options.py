@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from delayq.dialects import dialect_class
-from delayq.engines import create_engine
+from delayq.engines import create_engine, driver_url
 from delayq.errors import DelayqError, InvalidInputError, UnsupportedDatabaseError
 from delayq.queue import check_priority, check_queue_name
 from delayq.schema import DEFAULT_PREFIX, Tables, check_prefix, make_tables
@@ -64,9 +64,10 @@ KNOWN = {
 
 
 def check_url(url: str) -> None:
-    """Refuse URLs executors cannot use: bad syntax, unsupported backends, in-memory SQLite."""
+    """Refuse URLs executors cannot use: bad syntax, unsupported backends, in-memory SQLite. A scheme that names
+    no driver (``postgres://``) means delayq's, as the executors' engines take it (``delayq.engines.driver_url``)."""
     try:
-        parsed = sa.engine.make_url(url)
+        parsed = driver_url(sa.engine.make_url(url))
     except sa.exc.ArgumentError as exc:
         raise UnsupportedDatabaseError(f"bad database URL {url!r}: {exc}") from None
     dialect_class(parsed.get_backend_name()).check_shared_url(parsed)
