@@ -19,8 +19,9 @@ import pytest
 import sqlalchemy as sa
 from conftest import Backend, make_engine
 
-from delayq import CronService, DelayedQueue, Delivery, Handler, Subscription, Topic, Worker, migrations
+from delayq import CronService, DeadLetter, DelayedQueue, Delivery, Handler, Subscription, Topic, Worker, migrations
 from delayq.runtime import _registry
+from delayq.schema import make_tables
 
 pytestmark = pytest.mark.slow
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/test --full does)")
@@ -221,8 +222,22 @@ def test_read_only_shows_no_buttons_and_refuses_a_forged_post(backend: Backend, 
         page.close()
 
 
-def test_screenshots_for_the_docs(tmp_path: Path, browser: Any) -> None:
+class Invoice(Handler):
+    """Invoices for the screenshots: most complete with a result, every seventh is dead-lettered."""
+
+    queue = "invoices"
+    retention = dt.timedelta(days=7)
+
+    def handle(self, delivery: Delivery) -> Any:
+        order = delivery.payload["order"]
+        if order % 7 == 3:
+            raise DeadLetter(f"order {order}: card declined")
+        return {"invoice": delivery.key, "total": f"{40 + order % 7}.00"}
+
+
+def test_screenshots_for_the_docs(tmp_path: Path, browser: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A small realistic installation in a fresh SQLite file, shot page by page into docs/web-*.png."""
+    monkeypatch.setattr(_registry, "BEAT", 0.0)  # (the history written at every heartbeat tick)
     url = f"sqlite:///{tmp_path / 'shots.db'}"
     migrations.upgrade(url)
     engine = make_engine(url)
@@ -242,6 +257,27 @@ def test_screenshots_for_the_docs(tmp_path: Path, browser: Any) -> None:
         [(f"thumb-{1100 + i}", {"image": f"uploads/{1100 + i}.jpg", "sizes": [64, 256]}, None) for i in range(7)]
     )
     thumbs.set_concurrency_limit(4)
+    invoices = DelayedQueue(engine, "invoices", retention=dt.timedelta(days=7))
+    invoices.offer_many([(f"invoice/{7000 + i}", {"order": 7000 + i}, None) for i in range(24)], tags=["billing"])
+    invoicing = Worker(engine, [Invoice()], concurrency=4, poll_interval=dt.timedelta(milliseconds=20), listen=False)
+    invoicing.start()  # (a real worker: the kept rows name it, and its heartbeats write the history)
+    for _ in range(300):  # bounded: 30 s
+        if (invoices.stats().completed or 0) + invoices.stats().dead >= 24:
+            break
+        threading.Event().wait(0.1)
+    assert invoicing.stop()
+    from delayq.audit import record
+
+    record(
+        engine,
+        make_tables("delayq_"),
+        "limits",
+        actor="ops@example.com",
+        source="web",
+        queue="thumbnails",
+        filter={"concurrency": 4},
+    )
+    record(engine, make_tables("delayq_"), "pause", actor="ops@example.com", source="web", queue="reports")
     reports.pause()
     CronService(reports).install_daily("nightly-report", at=[dt.time(3, 0)], tz="Europe/Berlin")
     topic = Topic(engine, "orders")
@@ -260,6 +296,10 @@ def test_screenshots_for_the_docs(tmp_path: Path, browser: Any) -> None:
         "cron": "/cron",
         "topic": "/topic?topic=orders",
         "workers": "/workers",
+        "completed": "/queue?queue=invoices&state=completed",
+        "kept": "/message?queue=invoices&key=invoice/7004",
+        "search": "/search?prefix=invoice/",
+        "audit": "/audit",
     }
     workers = [Worker(engine, [Idle()], concurrency=c, listen=False) for c in (4, 8)]
     for w in workers:
