@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, urlencode
 
 import pytest
 import sqlalchemy as sa
@@ -167,22 +167,32 @@ def walk(c: TestClient, url: str | None) -> list[tuple[str, str]]:
 
 # -- search across queues -------------------------------------------------------------------------------------
 @pytest.fixture
-def three_queues(backend: Backend, queue_name: str, clock: ManualClock) -> list[str]:
-    """Three queues (their names sort as listed): live ``inv/…`` messages tagged ``eu`` or not, and kept ones."""
+def three_queues(backend: Backend, queue_name: str, clock: ManualClock) -> Iterator[list[str]]:
+    """Three queues (their names sort as listed): live ``{run}inv/…`` messages tagged ``eu`` or not, and kept
+    ones; their keys start with ``run(names)`` (other tests' queues share the tables: a search sees theirs too)."""
     names = [f"{queue_name}-a", f"{queue_name}-b", f"{queue_name}-c"]
+    k = run(names)
     for n, name in enumerate(names):
-        finish(kept_queue(backend, name, clock), clock, [f"inv/{n}-done"], "completed", tags=["eu"])
+        finish(kept_queue(backend, name, clock), clock, [f"{k}inv/{n}-done"], "completed", tags=["eu"])
         q = DelayedQueue(backend.engine, name)  # (on the database's clock: due now, as the listings see it)
-        q.offer_many([(f"inv/{n}-{i:02d}", i, None) for i in range(30)], tags=["eu"])
-        q.offer_many([(f"inv/{n}-x{i}", i, None) for i in range(3)])
-        q.offer_many([(f"other/{n}-{i}", i, None) for i in range(5)], tags=["eu"])
-    return names
+        q.offer_many([(f"{k}inv/{n}-{i:02d}", i, None) for i in range(30)], tags=["eu"])
+        q.offer_many([(f"{k}inv/{n}-x{i}", i, None) for i in range(3)])
+        q.offer_many([(f"{k}other/{n}-{i}", i, None) for i in range(5)], tags=["eu"])
+    yield names
+    with backend.engine.begin() as conn:
+        for table in (T.messages, T.finished):
+            conn.execute(sa.delete(table).where(table.c.queue.in_(names)))
+
+
+def run(names: list[str]) -> str:
+    """What the keys of ``three_queues`` start with."""
+    return names[0].removesuffix("-a") + "/"
 
 
 def test_a_search_lists_every_queues_matches_by_prefix_tag_and_state_in_keyset_pages(
     backend: Backend, three_queues: list[str], via: Any
 ) -> None:
-    mine = set(three_queues)
+    mine, k = set(three_queues), run(three_queues)
 
     def search(size: int, **kw: Any) -> list[tuple[str, str]]:
         seen: list[tuple[str, str]] = []
@@ -194,26 +204,31 @@ def test_a_search_lists_every_queues_matches_by_prefix_tag_and_state_in_keyset_p
                 return seen
             after = (page[-1].queue, page[-1].cursor)
 
-    expected = [(q, f"inv/{n}-{i:02d}") for n, q in enumerate(three_queues) for i in range(30)]
-    assert search(7, state=None, key_prefix="inv/", tag="eu") == expected  # queue by queue, by key
-    assert search(50, state=State.READY, key_prefix="inv/", tag="eu") == expected
-    kept = [(q, f"inv/{n}-done") for n, q in enumerate(three_queues)]
-    assert search(2, state=State.COMPLETED, key_prefix="inv/") == kept
-    assert search(2, state=State.COMPLETED, key_prefix="inv/", tag="eu") == kept
-    assert search(5, state=State.DEAD, key_prefix="inv/") == []
-    every = search(11, state=None, key_prefix="inv/")
+    expected = [(q, f"{k}inv/{n}-{i:02d}") for n, q in enumerate(three_queues) for i in range(30)]
+    assert search(7, state=None, key_prefix=f"{k}inv/", tag="eu") == expected  # queue by queue, by key
+    assert search(50, state=State.READY, key_prefix=f"{k}inv/", tag="eu") == expected
+    kept = [(q, f"{k}inv/{n}-done") for n, q in enumerate(three_queues)]
+    assert search(2, state=State.COMPLETED, key_prefix=f"{k}inv/") == kept
+    assert search(2, state=State.COMPLETED, key_prefix=f"{k}inv/", tag="eu") == kept
+    assert search(5, state=State.DEAD, key_prefix=f"{k}inv/") == []
+    every = search(11, state=None, key_prefix=f"{k}inv/")
     assert len(every) == 99 and len(set(every)) == 99
 
 
 def test_the_search_page_and_delayq_search_list_the_same_matches(backend: Backend, three_queues: list[str]) -> None:
     c = TestClient(app(backend.engine))
-    prefix = "inv/"
-    seen = [(q, k) for q, k in walk(c, f"/search?prefix={prefix}&tag=eu&state=ready") if q in three_queues]
-    expected = [(q, f"inv/{n}-{i:02d}") for n, q in enumerate(three_queues) for i in range(30)]
+    k = run(three_queues)
+    prefix = f"{k}inv/"
+    seen = [
+        (q, k)
+        for q, k in walk(c, f"/search?{urlencode({'prefix': prefix, 'tag': 'eu', 'state': 'ready'})}")
+        if q in three_queues
+    ]
+    expected = [(q, f"{k}inv/{n}-{i:02d}") for n, q in enumerate(three_queues) for i in range(30)]
     assert seen == expected
     page = c.get("/search", params={"prefix": prefix, "state": "completed"}).text
     assert [(q, k) for q, k in linked(page) if q in three_queues] == [
-        (q, f"inv/{n}-done") for n, q in enumerate(three_queues)
+        (q, f"{k}inv/{n}-done") for n, q in enumerate(three_queues)
     ]
     assert f'href="/queue?queue={three_queues[0]}&amp;state=completed"' in page  # the queue column links its page
     assert 'href="/search"' in c.get("/").text  # in the navigation
@@ -221,7 +236,7 @@ def test_the_search_page_and_delayq_search_list_the_same_matches(backend: Backen
     assert out.exit_code == 0, out.output
     listed = [(m["queue"], m["key"]) for m in json.loads(out.output) if m["queue"] in three_queues]
     assert listed == expected
-    table = cli(backend, "search", "--key-prefix", "inv/1-do", "--state", "completed")
+    table = cli(backend, "search", "--key-prefix", f"{k}inv/1-do", "--state", "completed")
     assert table.exit_code == 0 and table.output.split()[:2] == ["QUEUE", "KEY"] and three_queues[1] in table.output
 
 

@@ -138,7 +138,7 @@ def test_the_twins_take_the_same_constructor_parameters(sync: type) -> None:
 
 
 def test_the_async_browse_functions_take_the_sync_ones_parameters() -> None:
-    for name in ("queue_names", "list_messages"):
+    for name in ("queue_names", "list_messages", "search_messages"):
         assert _params(getattr(aio_browse, name)) == _params(getattr(browse, name)), name
         assert _awaited(getattr(aio_browse, name)), name
 
