@@ -235,14 +235,15 @@ class Runner:
 
 
 def missing_tables(engine: Engine, tables: Tables) -> str:
-    """The names of delayq's tables the database lacks (the first few), or "" when that cannot be told."""
+    """The names of delayq's tables the database lacks (all of them: which ones tells which migration or feature
+    is missing), or "" when that cannot be told."""
     try:
         with engine.connect() as conn:
             inspector = sa.inspect(conn)
             missing = [t.name for t in tables.metadata.sorted_tables if not inspector.has_table(t.name, t.schema)]
     except DBAPIError:
         return ""
-    return ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+    return ", ".join(missing)
 
 
 def caller_connection(using: Connection | Session, owner: str = "DelayedQueue") -> Connection:

@@ -316,11 +316,12 @@ def test_a_concurrency_limit_holds_across_claimers_and_an_expired_lock_stops_cou
             q.set_concurrency_limit(bad)  # type: ignore[arg-type]
 
 
-def test_a_requeued_dead_letter_comes_back_at_priority_0_without_a_group_and_the_flow_holds_it(
+def test_a_requeued_dead_letter_comes_back_with_its_priority_and_group_and_the_flow_holds_it(
     flow_queue: Callable[..., DelayedQueue], clock: ManualClock
 ) -> None:
-    """``requeue_dead`` offers the letter afresh, due now, at priority 0 and without a group (neither travels
-    with a dead letter): a paused queue holds it like any message, and it counts against a concurrency limit."""
+    """``requeue_dead`` offers the letter afresh, due now, with the priority and group it had (kept with the dead
+    letter since delayq_0013): a paused queue holds it like any message, it runs before lower priorities, it
+    holds its group, and it counts against a concurrency limit."""
     q = flow_queue()
     q.offer("job", 1, -SECOND, priority=5, group="g")
     (d,) = q.try_poll_many(1)
@@ -334,14 +335,13 @@ def test_a_requeued_dead_letter_comes_back_at_priority_0_without_a_group_and_the
     q.resume()
     q.set_concurrency_limit(2)
     first = q.try_poll_many(10)
-    assert [d.key for d in first] == ["high", "g-next"]  # the limit: two held
+    assert [(d.key, d.priority, d.group) for d in first] == [("job", 5, "g"), ("high", 1, None)]  # the limit: two
+    assert first[1].ack()
+    (low,) = q.try_poll_many(10)  # "job" holds group g: "g-next" waits, "low" (no group) runs
+    assert low.key == "low"
+    assert q.try_poll_many(10) == []  # the limit: two held ("job" and "low")
     assert first[0].ack()
-    # Priority 0 (after "high", before "low"), and not in group g: it runs beside g's held message.
-    (job,) = q.try_poll_many(10)
-    assert job.key == "job" and job.payload == 1
-    assert q.try_poll_many(10) == []  # it counts: two held ("g-next" and it), "low" waits
-    assert job.ack()
-    assert [d.key for d in q.try_poll_many(10)] == ["low"]
+    assert [d.key for d in q.try_poll_many(10)] == ["g-next"]
 
 
 def test_threads_claiming_under_a_limit_of_two_never_run_more_than_two(
