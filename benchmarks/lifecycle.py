@@ -135,6 +135,7 @@ def keeping_drain(engine: sa.Engine, prefix: str, n: int) -> tuple[float, float,
                 "keep_result_types": [None] * len(ids),
                 "retention_ms": retention_ms,
                 "queue_name": q.name,
+                "worker": None,
             }
             one = stack.stmts.memo(_keep_held_statement, False, False, True)
             if stack._run("statement", lambda conn: conn.execute(one, params).scalar_one()) != len(rows):
@@ -183,6 +184,9 @@ def _finished(r: Any, retention_ms: int) -> dict[str, Any]:
         "result": None,
         "result_type": None,
         "expires_at": now + max(retention_ms, r.unique_for_ms or 0),
+        "priority": r.priority,
+        "group_key": r.group_key,
+        "worker": None,
     }
 
 

@@ -104,5 +104,5 @@ def test_web_page_loads_run(backend_urls: dict[str, str], tmp_path: Path) -> Non
     done = _run(["--web", "3000", "--backends", "sqlite", "--json", str(out)], backend_urls)
     assert done.returncode == 0, done.stdout + done.stderr
     loads = json.loads(out.read_text())
-    assert len(loads) == 10 and all(load["p95_ms"] > 0 for load in loads)
+    assert len(loads) == 19 and all(load["p95_ms"] > 0 for load in loads)
     assert "overview (HTML" in done.stdout
