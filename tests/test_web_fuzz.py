@@ -12,12 +12,13 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
 from conftest import Backend
+from starlette.datastructures import QueryParams
 from starlette.routing import Route
 
 from delayq import DelayedQueue
@@ -138,8 +139,49 @@ def _fuzzed(baseline: dict[str, str], names: list[str]) -> Iterator[dict[str, st
             yield {**baseline, name: value}
 
 
+class _SpyDict(dict[str, str]):
+    """A form that notes every field the action reads."""
+
+    read: ClassVar[set[str]] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        _SpyDict.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        _SpyDict.read.add(key)
+        return super().__getitem__(key)
+
+
+def _query_names_read(c: TestClient, path: str, baseline: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The query parameters ``path`` reads, for a baseline request (the names it fuzzes: every one it reads)."""
+    seen: set[str] = set()
+    original = QueryParams.__getitem__
+
+    def spy(self: QueryParams, key: str) -> str:
+        seen.add(key)
+        return original(self, key)
+
+    with monkeypatch.context() as m:
+        m.setattr(QueryParams, "__getitem__", spy)
+        c.get(f"{path}?{_encoded(baseline)}")
+    return seen
+
+
+def _form_names_read(c: TestClient, action: str, baseline: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The form fields ``action`` reads, for a baseline POST (its confirmation page included)."""
+    _SpyDict.read = set()
+    with monkeypatch.context() as m:
+        m.setattr(_actions, "dict", _SpyDict, raising=False)  # (the module's ``dict(parse_qsl(...))`` of the form)
+        _post(c, action, **baseline)
+    return _SpyDict.read - {"csrf"}
+
+
 @pytest.mark.slow
-def test_every_page_answers_every_fuzzed_parameter_with_a_4xx_line_or_a_page(backend: Backend, queue_name: str) -> None:
+def test_every_page_answers_every_fuzzed_parameter_with_a_4xx_line_or_a_page(
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each route takes the fuzz set in every query parameter it reads (found by reading a baseline request)."""
     q = DelayedQueue(backend.engine, queue_name)
     q.offer("k-1", {"n": 1})
     q.offer("k-2", {"n": 2}, tags=["t"])
@@ -148,7 +190,9 @@ def test_every_page_answers_every_fuzzed_parameter_with_a_4xx_line_or_a_page(bac
     routes = _get_routes(backend.engine)
     assert "/queue" in routes and "/message" in routes
     for path in routes:
-        for params in _fuzzed(baseline, QUERY_NAMES):
+        names = sorted(_query_names_read(c, path, baseline, monkeypatch))
+        assert set(names) <= set(QUERY_NAMES), (path, names)  # (every name read is one the source shows)
+        for params in _fuzzed(baseline, names):
             try:
                 r = c.get(f"{path}?{_encoded(params)}")
             except Exception as exc:  # (the app raised: it would have been a 500)
@@ -160,15 +204,21 @@ def test_every_page_answers_every_fuzzed_parameter_with_a_4xx_line_or_a_page(bac
 
 @pytest.mark.slow
 def test_every_action_answers_every_fuzzed_field_with_a_4xx_line_or_a_redirect(
-    backend: Backend, queue_name: str
+    backend: Backend, queue_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each action takes the fuzz set in every form field it reads (found by a baseline POST), with and without
+    its confirmation."""
     q = DelayedQueue(backend.engine, queue_name)
     for n in range(3):
         q.offer(f"k-{n}", {"n": n})
     c = _client(backend.engine, actions=True)
     baseline = {"queue": queue_name, "key": "k-1"}
     for action in sorted(_actions.ACTIONS):
-        for form in _fuzzed(baseline, FORM_NAMES):
+        names = _form_names_read(c, action, baseline, monkeypatch) | _form_names_read(
+            c, action, {**baseline, "confirmed": "yes"}, monkeypatch
+        )
+        assert "queue" in names, (action, names)
+        for form in _fuzzed(baseline, sorted(names)):
             try:
                 r = _post(c, action, **form)
             except Exception as exc:
