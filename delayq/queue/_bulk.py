@@ -35,9 +35,10 @@ from delayq.dialects import Dialect, Statements
 from delayq.dialects.base import prefix_bounds
 from delayq.errors import InvalidInputError
 from delayq.queue import _cancel as cancel_sql
+from delayq.queue import _views
 from delayq.queue._checks import At, _due, check_prefix
 from delayq.queue._dead import _DeadLetters
-from delayq.queue._lifecycle import CANCELLED, COMPLETED, lifecycle_sql
+from delayq.queue._lifecycle import lifecycle_sql
 from delayq.queue._queued import _Queued
 from delayq.tags import tag_pattern
 from delayq.transactions import Using
@@ -47,9 +48,10 @@ BULK_BATCH = 500
 MAX_BATCH = 10_000
 """The largest ``batch_size`` a bulk action takes."""
 
-LIVE_STATES = ("ready", "scheduled", "in-flight", "expired-lock", "all")
-"""The filter's states of live messages; ``all`` is every one not running (ready, scheduled, expired-lock)."""
-KEPT_STATES = {"completed": COMPLETED, "cancelled": CANCELLED}
+LIVE_STATES = (*_views.STATES, "all")
+"""The filter's states of live messages (the listing's); ``all`` is every one not running (ready, scheduled,
+expired-lock)."""
+KEPT_STATES = _views.KEPT_STATES
 STATES = (*LIVE_STATES, "dead", *KEPT_STATES)
 """Every state a filter takes: the listing's (``delayq.browse.State``) and ``all``."""
 

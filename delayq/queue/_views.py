@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from delayq.dialects import Statements, dialect_for
 from delayq.dialects.base import prefix_bounds
+from delayq.queue import _lifecycle
 from delayq.queue._checks import check_key, check_prefix, check_queue_name
 from delayq.schema import Tables, make_tables
 
@@ -178,8 +179,8 @@ def _filtered(
     return stmt
 
 
-KEPT_STATES = {"completed": 1, "cancelled": 2}
-"""The states of a message kept after it finished (``finished.state``), which ``list_rows`` reads too."""
+KEPT_STATES = {name: code for code, name in _lifecycle.STATE_NAMES.items()}
+"""The states of a message kept after it finished (``finished.state`` by name), which ``list_rows`` reads too."""
 
 
 def _not_finished() -> tuple[sa.ColumnElement[Any], ...]:
